@@ -1,0 +1,52 @@
+// Argument checks shared by the bindings: every op rejects bad input before any launch.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+#include <array>
+#include <string>
+
+namespace tk::checks {
+
+inline void cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+}
+inline void half_or_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, name,
+              " must be bfloat16 or float16, got ", t.scalar_type());
+}
+inline void same_dtype(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have the dtype of ", ref_name, " (",
+              ref.scalar_type(), "), got ", t.scalar_type());
+}
+inline void same_device(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on ", ref_name, "'s device (", ref.device(), "), got ",
+              t.device());
+}
+inline void rank(const at::Tensor& t, int64_t r, const char* name) {
+  TORCH_CHECK(t.dim() == r, name, " must have ", r, " dimensions, got ", t.dim());
+}
+// Row-major rows that TMA can address: unit inner stride, 16-byte aligned base and row stride.
+inline void tma_rows(const at::Tensor& t, const char* name) {
+  const int64_t esize = t.element_size();
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, name, " must have a contiguous last dimension, got stride ",
+              t.stride(-1));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+  for (int64_t d = 0; d + 1 < t.dim(); d++)
+    TORCH_CHECK(t.size(d) == 1 || (t.stride(d) * esize) % 16 == 0, name, " stride ", d, " (", t.stride(d),
+                " elements) must be a multiple of 16 bytes");
+}
+
+// Multiprocessors of `device`, read once per device (persistent grids size themselves from it).
+inline int sm_count(int device) {
+  static std::array<int, 64> cached{};
+  if (device < 0 || device >= 64) device = 0;
+  if (cached[device] == 0) {
+    int n = 0;
+    TORCH_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+                "could not read the multiprocessor count of cuda:", device);
+    cached[device] = n;
+  }
+  return cached[device];
+}
+
+}  // namespace tk::checks

@@ -1,0 +1,15 @@
+// kittens: a small tile DSL for Hopper (sm_90a). Include this one header.
+#pragma once
+#include "core/errors.cuh"
+#include "core/ids.cuh"
+#include "core/types.cuh"
+#include "ops/group.cuh"
+#include "ops/maps.cuh"
+#include "ops/semaphore.cuh"
+#include "ops/tma.cuh"
+#include "ops/wgmma.cuh"
+#include "pipeline/lcsf.cuh"
+#include "pipeline/raster.cuh"
+#include "tiles/gl.cuh"
+#include "tiles/rt.cuh"
+#include "tiles/st.cuh"

@@ -1,0 +1,178 @@
+// Scoped operations: one implementation for a warp (group<1>) and a warpgroup (group<4>).
+// Work on shared / global memory is split over the group's threads; register tiles are per warp, and a
+// group-level register <-> shared copy gives warp w the w-th row block of the shared tile.
+#pragma once
+#include "../tiles/gl.cuh"
+#include "../tiles/rt.cuh"
+#include "../tiles/st.cuh"
+#include "shared_access.cuh"
+#include "wgmma.cuh"
+
+namespace kittens {
+
+template <int NW>
+struct group {
+  static_assert(NW == 1 || NW == 2 || NW == 4 || NW == 8, "a group is 1, 2, 4 or 8 warps");
+  static constexpr int warps = NW, threads = NW * WARP_THREADS;
+  __device__ static __forceinline__ int thread() { return threadIdx.x % threads; }
+  __device__ static __forceinline__ int warp() { return (threadIdx.x / WARP_THREADS) % NW; }
+
+  // Barrier among this group's threads only (named barrier `id`, 1..15; 0 is __syncthreads).
+  __device__ static __forceinline__ void sync(int id) {
+    if constexpr (NW == 1) __syncwarp();
+    else asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(threads) : "memory");
+  }
+
+  // ---- registers <-> shared ------------------------------------------------------------------------
+  // Each warp moves its row block: dst rows = src rows / NW.
+  template <register_tile RT, shared_tile SR>
+  __device__ static __forceinline__ void load(RT& dst, const SR& src) {
+    static_assert(SR::rows == RT::rows * NW && SR::cols == RT::cols,
+                  "group load: the shared tile must be (warps x register-tile rows) by the same cols");
+    const auto block = src.template row_block<RT::rows>(warp());
+    using F = frag<typename RT::layout>;
+    using S = typename SR::dtype;
+#pragma unroll
+    for (int i = 0; i < RT::height; i++)
+#pragma unroll
+      for (int j = 0; j < RT::width; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          const int r = 16 * i + F::row(k, 0), c = 16 * j + F::col(k, 0);
+          if constexpr (std::is_same_v<typename RT::layout, row_l>) {  // the pair is two adjacent columns
+            dst.data[i][j][k] = convert<typename RT::T2>(convert<float2>(detail::ld_shared<packed<S>>(block.addr(r, c))));
+          } else {  // the pair is two adjacent rows
+            float2 v{convert<float>(detail::ld_shared<S>(block.addr(r, c))),
+                     convert<float>(detail::ld_shared<S>(block.addr(r + 1, c)))};
+            dst.data[i][j][k] = convert<typename RT::T2>(v);
+          }
+        }
+  }
+
+  template <shared_tile SR, register_tile RT>
+  __device__ static __forceinline__ void store(const SR& dst, const RT& src) {
+    static_assert(SR::rows == RT::rows * NW && SR::cols == RT::cols,
+                  "group store: the shared tile must be (warps x register-tile rows) by the same cols");
+    const auto block = dst.template row_block<RT::rows>(warp());
+    using F = frag<typename RT::layout>;
+    using S = typename SR::dtype;
+#pragma unroll
+    for (int i = 0; i < RT::height; i++)
+#pragma unroll
+      for (int j = 0; j < RT::width; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+          const int r = 16 * i + F::row(k, 0), c = 16 * j + F::col(k, 0);
+          const float2 v = convert<float2>(src.data[i][j][k]);
+          if constexpr (std::is_same_v<typename RT::layout, row_l>) {
+            detail::st_shared(block.addr(r, c), convert<packed<S>>(v));
+          } else {
+            detail::st_shared(block.addr(r, c), convert<S>(v.x));
+            detail::st_shared(block.addr(r + 1, c), convert<S>(v.y));
+          }
+        }
+  }
+
+  // ---- registers <-> global (bounds-checked: rows >= src.rows() and cols >= src.cols() read as 0) --
+  template <register_tile RT, typename GL>
+  __device__ static __forceinline__ void load(RT& dst, const GL& src, coord c) {
+    using F = frag<typename RT::layout>;
+    const int row0 = c.row + warp() * RT::rows;
+    for_each_element<RT>([&](int i, int j, int k, int e) {
+      const int r = row0 + 16 * i + F::row(k, e), col = c.col + 16 * j + F::col(k, e);
+      float v = 0.f;
+      if (r < src.rows() && col < src.cols()) v = convert<float>(*src.at({c.b, c.d, r, col}));
+      elem(dst.data[i][j][k], e) = convert<typename RT::dtype>(v);
+    });
+  }
+  template <typename GL, register_tile RT>
+  __device__ static __forceinline__ void store(const GL& dst, const RT& src, coord c) {
+    using F = frag<typename RT::layout>;
+    const int row0 = c.row + warp() * RT::rows;
+    for_each_element<RT>([&](int i, int j, int k, int e) {
+      const int r = row0 + 16 * i + F::row(k, e), col = c.col + 16 * j + F::col(k, e);
+      if (r < dst.rows() && col < dst.cols())
+        *dst.at({c.b, c.d, r, col}) = convert<typename GL::dtype>(convert<float>(elem(src.data[i][j][k], e)));
+    });
+  }
+
+  // ---- shared <-> global without TMA (16-byte vectors, bounds-checked, zero fill) ---------------------
+  // For addresses TMA cannot express. Needs cols * sizeof(T) % 16 == 0 and 16-byte aligned rows.
+  template <shared_tile SR, typename GL>
+  __device__ static __forceinline__ void load(const SR& dst, const GL& src, coord c) {
+    using T = typename SR::dtype;
+    constexpr int per_vec = 16 / sizeof(T), vecs = SR::rows * SR::cols / per_vec;
+    for (int v = thread(); v < vecs; v += threads) {
+      const int r = v / (SR::cols / per_vec), col = (v % (SR::cols / per_vec)) * per_vec;
+      uint4 x{0, 0, 0, 0};
+      if (c.row + r < src.rows() && c.col + col < src.cols())
+        x = *reinterpret_cast<const uint4*>(src.at({c.b, c.d, c.row + r, c.col + col}));
+      detail::st_shared_16B(dst.addr(r, col), x);
+    }
+  }
+  template <typename GL, shared_tile SR>
+  __device__ static __forceinline__ void store(const GL& dst, const SR& src, coord c) {
+    using T = typename SR::dtype;
+    constexpr int per_vec = 16 / sizeof(T), vecs = SR::rows * SR::cols / per_vec;
+    for (int v = thread(); v < vecs; v += threads) {
+      const int r = v / (SR::cols / per_vec), col = (v % (SR::cols / per_vec)) * per_vec;
+      if (c.row + r < dst.rows() && c.col + col < dst.cols())
+        *reinterpret_cast<uint4*>(dst.at({c.b, c.d, c.row + r, c.col + col})) = detail::ld_shared_16B<T>(src.addr(r, col));
+    }
+  }
+
+  // ---- warpgroup matrix multiply (wgmma), warpgroup scope only --------------------------------------
+  // d: per-warp rt_fl<16, N> (the warpgroup's 64 x N); a: rt<16, K> per warp, or a 64 x K shared tile;
+  // b: K x N (mm_AB / mma_AB) or N x K (mm_ABt / mma_ABt) shared tile. mm_* overwrite d, mma_* add to it.
+  // Each call issues its k-steps and commits them as one group; mma_async_wait<n>() retires groups.
+  template <bool Accumulate, bool BIsNK, typename D, typename A, typename B>
+  __device__ static __forceinline__ void mma(D& d, const A& a, const B& b_tile) requires(NW == 4) {
+    const auto b = as_ref(b_tile);
+    using BR = std::remove_cv_t<decltype(b)>;
+    using T = typename BR::dtype;
+    constexpr int K = A::cols;
+    static_assert(std::is_same_v<typename A::dtype, T>, "wgmma: A and B must have the same element type");
+    static_assert(K % 16 == 0, "wgmma: the reduction dim must be a multiple of 16");
+    if constexpr (BIsNK) static_assert(BR::rows == D::cols && BR::cols == K, "mma_ABt: b must be N x K");
+    else static_assert(BR::rows == K && BR::cols == D::cols, "mma_AB: b must be K x N");
+    wgmma::fence_operand(d);
+    wgmma::fence();
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ks++) {
+      const int scale_d = (Accumulate || ks > 0) ? 1 : 0;
+      const uint64_t desc_b = wgmma::descriptor<BIsNK>(b, ks);
+      if constexpr (register_tile<A>) {
+        static_assert(A::rows == 16 && std::is_same_v<typename A::layout, row_l>,
+                      "wgmma: a register A operand is a per-warp rt<16, K> in row layout");
+        const uint32_t* regs = reinterpret_cast<const uint32_t*>(&a.data[0][ks][0]);
+        wgmma::mma_step<T, true, BIsNK ? 0 : 1>(d, regs, 0, desc_b, scale_d);
+      } else {
+        const auto ar = as_ref(a);
+        static_assert(decltype(ar)::rows == 64, "wgmma: a shared A operand is 64 rows (the warpgroup's M)");
+        wgmma::mma_step<T, false, BIsNK ? 0 : 1>(d, nullptr, wgmma::descriptor<true>(ar, ks), desc_b, scale_d);
+      }
+    }
+    wgmma::commit_group();
+    wgmma::fence_operand(d);
+  }
+  template <typename D, typename A, typename B> __device__ static __forceinline__ void mm_AB(D& d, const A& a, const B& b) requires(NW == 4) { mma<false, false>(d, a, b); }
+  template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_AB(D& d, const A& a, const B& b) requires(NW == 4) { mma<true, false>(d, a, b); }
+  template <typename D, typename A, typename B> __device__ static __forceinline__ void mm_ABt(D& d, const A& a, const B& b) requires(NW == 4) { mma<false, true>(d, a, b); }
+  template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_ABt(D& d, const A& a, const B& b) requires(NW == 4) { mma<true, true>(d, a, b); }
+  template <int Pending = 0> __device__ static __forceinline__ void mma_async_wait() requires(NW == 4) { wgmma::wait_group<Pending>(); }
+
+  // ---- register budget (setmaxnreg): each role of a warp-specialised kernel resizes its own file -----
+  template <int N> __device__ static __forceinline__ void increase_registers() requires(NW == 4) {
+    static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+  }
+  template <int N> __device__ static __forceinline__ void decrease_registers() requires(NW == 4) {
+    static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+  }
+};
+
+using warp = group<1>;
+using warpgroup = group<4>;
+
+}  // namespace kittens

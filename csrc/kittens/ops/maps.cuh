@@ -1,0 +1,230 @@
+// Register-tile arithmetic: fills, conversions, element-wise maps, row/column reductions and
+// broadcasts, masks. Destination first; every op works on both fragment layouts through frag<L>.
+#pragma once
+#include <cfloat>
+#include "../tiles/rt.cuh"
+
+namespace kittens {
+
+namespace op {
+struct add { template <typename T> __device__ static T apply(T a, T b) { return a + b; } static constexpr float identity = 0.f; };
+struct mul { template <typename T> __device__ static T apply(T a, T b) { return a * b; } static constexpr float identity = 1.f; };
+struct sub { template <typename T> __device__ static T apply(T a, T b) { return a - b; } };
+struct div { template <typename T> __device__ static T apply(T a, T b) { return a / b; } };
+struct max { __device__ static float apply(float a, float b) { return fmaxf(a, b); } static constexpr float identity = -INFINITY; };
+struct min { __device__ static float apply(float a, float b) { return fminf(a, b); } static constexpr float identity = INFINITY; };
+}  // namespace op
+
+// ---- element-wise --------------------------------------------------------------------------------
+// dst = f(src) element by element, in fp32, then converted to dst's type.
+template <register_tile D, register_tile S, typename F>
+__device__ __forceinline__ void map(D& dst, const S& src, F f) {
+  static_assert(D::rows == S::rows && D::cols == S::cols && std::is_same_v<typename D::layout, typename S::layout>,
+                "map: tiles must have the same shape and layout");
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float2 v = convert<float2>(src.data[i][j][k]);
+        dst.data[i][j][k] = convert<typename D::T2>(float2{f(v.x), f(v.y)});
+      }
+}
+// dst = f(a, b) element by element.
+template <register_tile D, register_tile A, register_tile B, typename F>
+__device__ __forceinline__ void map(D& dst, const A& a, const B& b, F f) {
+  static_assert(D::rows == A::rows && D::cols == A::cols && A::rows == B::rows && A::cols == B::cols,
+                "map: tiles must have the same shape");
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float2 x = convert<float2>(a.data[i][j][k]), y = convert<float2>(b.data[i][j][k]);
+        dst.data[i][j][k] = convert<typename D::T2>(float2{f(x.x, y.x), f(x.y, y.y)});
+      }
+}
+
+template <register_tile D> __device__ __forceinline__ void fill(D& dst, float v) { map(dst, dst, [v](float) { return v; }); }
+template <register_tile D> __device__ __forceinline__ void zero(D& dst) { fill(dst, 0.f); }
+// Type conversion (e.g. fp32 accumulators to a bf16 wgmma A operand: same fragment layout).
+template <register_tile D, register_tile S> __device__ __forceinline__ void copy(D& dst, const S& src) { map(dst, src, [](float x) { return x; }); }
+
+template <register_tile D, register_tile S> __device__ __forceinline__ void exp2(D& d, const S& s) { map(d, s, [](float x) { return exp2f(x); }); }
+template <register_tile D, register_tile S> __device__ __forceinline__ void exp(D& d, const S& s) { map(d, s, [](float x) { return __expf(x); }); }
+template <register_tile D, register_tile S> __device__ __forceinline__ void log(D& d, const S& s) { map(d, s, [](float x) { return __logf(x); }); }
+template <register_tile D, register_tile S> __device__ __forceinline__ void abs(D& d, const S& s) { map(d, s, [](float x) { return fabsf(x); }); }
+template <register_tile D, register_tile S> __device__ __forceinline__ void tanh(D& d, const S& s) { map(d, s, [](float x) { return tanhf(x); }); }
+
+#define TK_BINARY_MAP(name, expr)                                                                        \
+  template <register_tile D, register_tile A, register_tile B>                                           \
+  __device__ __forceinline__ void name(D& d, const A& a, const B& b) { map(d, a, b, [](float x, float y) { return expr; }); } \
+  template <register_tile D, register_tile A>                                                            \
+  __device__ __forceinline__ void name(D& d, const A& a, float y) { map(d, a, [y](float x) { return expr; }); }
+TK_BINARY_MAP(add, x + y)
+TK_BINARY_MAP(sub, x - y)
+TK_BINARY_MAP(mul, x * y)
+TK_BINARY_MAP(div, x / y)
+TK_BINARY_MAP(max, fmaxf(x, y))
+TK_BINARY_MAP(min, fminf(x, y))
+#undef TK_BINARY_MAP
+
+// ---- vectors -------------------------------------------------------------------------------------
+template <register_vector V, typename F> __device__ __forceinline__ void map(V& dst, const V& src, F f) {
+#pragma unroll
+  for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+    for (int s = 0; s < V::per_lane; s++) dst.data[b][s] = convert<typename V::dtype>(f(convert<float>(src.data[b][s])));
+}
+template <register_vector V, typename F> __device__ __forceinline__ void map(V& dst, const V& a, const V& b2, F f) {
+#pragma unroll
+  for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+    for (int s = 0; s < V::per_lane; s++)
+      dst.data[b][s] = convert<typename V::dtype>(f(convert<float>(a.data[b][s]), convert<float>(b2.data[b][s])));
+}
+template <register_vector V> __device__ __forceinline__ void fill(V& v, float x) { map(v, v, [x](float) { return x; }); }
+template <register_vector V> __device__ __forceinline__ void zero(V& v) { fill(v, 0.f); }
+template <register_vector V> __device__ __forceinline__ void exp2(V& d, const V& s) { map(d, s, [](float x) { return exp2f(x); }); }
+template <register_vector V> __device__ __forceinline__ void add(V& d, const V& a, const V& b) { map(d, a, b, [](float x, float y) { return x + y; }); }
+template <register_vector V> __device__ __forceinline__ void sub(V& d, const V& a, const V& b) { map(d, a, b, [](float x, float y) { return x - y; }); }
+template <register_vector V> __device__ __forceinline__ void mul(V& d, const V& a, const V& b) { map(d, a, b, [](float x, float y) { return x * y; }); }
+template <register_vector V> __device__ __forceinline__ void mul(V& d, const V& a, float y) { map(d, a, [y](float x) { return x * y; }); }
+template <register_vector V> __device__ __forceinline__ void max(V& d, const V& a, const V& b) { map(d, a, b, [](float x, float y) { return fmaxf(x, y); }); }
+template <register_vector V> __device__ __forceinline__ void copy(V& d, const V& s) { map(d, s, [](float x) { return x; }); }
+
+// ---- reductions ------------------------------------------------------------------------------------
+namespace detail {
+// out = reduce over rows (AlongRows: one result per row) or columns of t, folded into init if given.
+template <bool AlongRows, typename Op, register_tile RT, register_vector V>
+__device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
+  using F = frag<typename RT::layout>;
+  static_assert(V::length == (AlongRows ? RT::rows : RT::cols) &&
+                    V::per_lane == (AlongRows ? F::rows_per_lane : F::cols_per_lane),
+                "reduction: the vector must be the tile's per_row (row_*) or per_col (col_*) type");
+  float acc[V::blocks][V::per_lane];
+#pragma unroll
+  for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+    for (int s = 0; s < V::per_lane; s++) acc[b][s] = Op::identity;
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int j = 0; j < RT::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float2 v = convert<float2>(t.data[i][j][k]);
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int b = AlongRows ? i : j, s = AlongRows ? F::row_slot(k, e) : F::col_slot(k, e);
+          acc[b][s] = Op::apply(acc[b][s], e ? v.y : v.x);
+        }
+      }
+  constexpr int lo = AlongRows ? F::row_shuffle_lo : F::col_shuffle_lo;
+  constexpr int hi = AlongRows ? F::row_shuffle_hi : F::col_shuffle_hi;
+#pragma unroll
+  for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+    for (int s = 0; s < V::per_lane; s++) {
+#pragma unroll
+      for (int m = lo; m <= hi; m <<= 1) acc[b][s] = Op::apply(acc[b][s], __shfl_xor_sync(0xffffffffu, acc[b][s], m));
+      const float folded = init ? Op::apply(convert<float>(init->data[b][s]), acc[b][s]) : acc[b][s];
+      out.data[b][s] = convert<typename V::dtype>(folded);
+    }
+}
+
+// dst = f(src, v) with v the vector entry of the element's row (AlongRows) or column.
+template <bool AlongRows, register_tile D, register_tile S, register_vector V, typename F>
+__device__ __forceinline__ void broadcast(D& dst, const S& src, const V& v, F f) {
+  using Fr = frag<typename S::layout>;
+#pragma unroll
+  for (int i = 0; i < S::height; i++)
+#pragma unroll
+    for (int j = 0; j < S::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        float2 x = convert<float2>(src.data[i][j][k]);
+        const int b = AlongRows ? i : j;
+        x.x = f(x.x, convert<float>(v.data[b][AlongRows ? Fr::row_slot(k, 0) : Fr::col_slot(k, 0)]));
+        x.y = f(x.y, convert<float>(v.data[b][AlongRows ? Fr::row_slot(k, 1) : Fr::col_slot(k, 1)]));
+        dst.data[i][j][k] = convert<typename D::T2>(x);
+      }
+}
+}  // namespace detail
+
+#define TK_REDUCTION(name, along_rows, Op)                                                                        \
+  template <register_vector V, register_tile RT> __device__ __forceinline__ void name(V& out, const RT& t) {      \
+    detail::reduce<along_rows, Op>(out, t, static_cast<const V*>(nullptr));                                       \
+  }                                                                                                               \
+  template <register_vector V, register_tile RT>                                                                  \
+  __device__ __forceinline__ void name(V& out, const RT& t, const V& init) { detail::reduce<along_rows, Op>(out, t, &init); }
+TK_REDUCTION(row_max, true, op::max)
+TK_REDUCTION(row_min, true, op::min)
+TK_REDUCTION(row_sum, true, op::add)
+TK_REDUCTION(col_max, false, op::max)
+TK_REDUCTION(col_min, false, op::min)
+TK_REDUCTION(col_sum, false, op::add)
+#undef TK_REDUCTION
+
+#define TK_BROADCAST(name, along_rows, expr)                                                          \
+  template <register_tile D, register_tile S, register_vector V>                                      \
+  __device__ __forceinline__ void name(D& dst, const S& src, const V& v) {                            \
+    detail::broadcast<along_rows>(dst, src, v, [](float x, float y) { return expr; });                \
+  }
+TK_BROADCAST(add_row, true, x + y)
+TK_BROADCAST(sub_row, true, x - y)
+TK_BROADCAST(mul_row, true, x * y)
+TK_BROADCAST(div_row, true, x / y)
+TK_BROADCAST(add_col, false, x + y)
+TK_BROADCAST(sub_col, false, x - y)
+TK_BROADCAST(mul_col, false, x * y)
+TK_BROADCAST(div_col, false, x / y)
+#undef TK_BROADCAST
+
+// ---- masks -------------------------------------------------------------------------------------------
+// dst = keep(row, col) ? src : fill, with (row, col) the element's position inside this warp's tile
+// offset by (row0, col0) (for example the tile's place in the full attention matrix).
+template <register_tile D, typename Keep>
+__device__ __forceinline__ void mask(D& dst, const D& src, int row0, int col0, Keep keep, float fill_value) {
+  using F = frag<typename D::layout>;
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        float2 x = convert<float2>(src.data[i][j][k]);
+        const int r0 = row0 + 16 * i, c0 = col0 + 16 * j;
+        if (!keep(r0 + F::row(k, 0), c0 + F::col(k, 0))) x.x = fill_value;
+        if (!keep(r0 + F::row(k, 1), c0 + F::col(k, 1))) x.y = fill_value;
+        dst.data[i][j][k] = convert<typename D::T2>(x);
+      }
+}
+// Lower triangle (col - row <= diagonal) kept, the rest set to fill_value: the causal mask.
+template <register_tile D>
+__device__ __forceinline__ void tril(D& dst, const D& src, int row0, int col0, int diagonal, float fill_value) {
+  mask(dst, src, row0, col0, [diagonal](int r, int c) { return c - r <= diagonal; }, fill_value);
+}
+// Upper triangle (col - row >= diagonal) kept.
+template <register_tile D>
+__device__ __forceinline__ void triu(D& dst, const D& src, int row0, int col0, int diagonal, float fill_value) {
+  mask(dst, src, row0, col0, [diagonal](int r, int c) { return c - r >= diagonal; }, fill_value);
+}
+
+// Columns [j*SC, (j+1)*SC) of a register tile (a register copy the compiler elides).
+template <int SC, register_tile RT>
+__device__ __forceinline__ rt<typename RT::dtype, RT::rows, SC, typename RT::layout> col_block(const RT& t, int j) {
+  static_assert(SC % 16 == 0 && RT::cols % SC == 0, "col_block: whole fragments that divide the tile");
+  rt<typename RT::dtype, RT::rows, SC, typename RT::layout> out;
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int jj = 0; jj < SC / 16; jj++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) out.data[i][jj][k] = t.data[i][j * (SC / 16) + jj][k];
+  return out;
+}
+
+}  // namespace kittens

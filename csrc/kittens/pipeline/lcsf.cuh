@@ -1,0 +1,125 @@
+// The load-compute-store-finish template: a persistent, warp-specialised kernel skeleton.
+//
+// One producer warpgroup streams inputs into an N-stage shared-memory ring with TMA; 1..3 consumer
+// warpgroups compute on each stage and hand it back; after a task's last stage each consumer runs
+// `finish` (the epilogue) while the producer is already loading the next task. The template owns the
+// semaphores, phase bits, ring indices, shared-memory carving, register budgets and the task loop; a
+// kernel states its layouts and its steps:
+//
+//   struct my_kernel {
+//     static constexpr int consumers, stages;
+//     struct globals; struct input_block; struct scratch_block; struct consumer_state; struct task_t;
+//     static int task_count(const globals&);                       // tasks in the work list
+//     static task_t task(const globals&, int id);                  // id -> work item (tile order lives here)
+//     static void load(input_block&, const globals&, const task_t&, int iter, semaphore& full);  // 1 thread
+//     static void compute(consumer_state&, input_block&, const globals&, const task_t&, int iter, int consumer);
+//     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
+//   };
+//   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
+//   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
+#pragma once
+#include <cuda_runtime.h>
+#include "../core/errors.cuh"
+#include "../ops/group.cuh"
+#include "../ops/semaphore.cuh"
+#include "../ops/tma.cuh"
+
+namespace kittens::lcsf {
+
+template <typename K>
+concept kernel_policy = requires {
+  typename K::globals;
+  typename K::input_block;
+  typename K::scratch_block;
+  typename K::consumer_state;
+  typename K::task_t;
+  requires K::consumers >= 1 && K::consumers <= 3;
+  requires K::stages >= 1;
+};
+
+template <kernel_policy K> constexpr int threads = (K::consumers + 1) * WARPGROUP_THREADS;
+template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 24 : 40;
+// What is left of the 64K-register file, split over the consumers (at most 240 a thread).
+template <kernel_policy K> constexpr int consumer_registers =
+    std::min(240, ((65536 / WARPGROUP_THREADS - producer_registers<K>) / K::consumers) / 8 * 8);
+
+template <kernel_policy K> struct alignas(1024) shared_layout {
+  typename K::input_block ring[K::stages];
+  typename K::scratch_block scratch;
+};
+template <kernel_policy K> constexpr size_t shared_bytes = sizeof(shared_layout<K>) + 1024;  // + alignment slack
+
+template <kernel_policy K>
+__global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ typename K::globals g) {
+  extern __shared__ uint8_t smem_raw[];
+  auto& smem = *reinterpret_cast<shared_layout<K>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ semaphore full[K::stages], empty[K::stages];
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < K::stages; s++) {
+      init_semaphore(full[s], 1);                                  // the producer's expect_bytes
+      init_semaphore(empty[s], K::consumers * WARPGROUP_WARPS);    // one arrival per consumer warp
+    }
+    fence_semaphore_init();
+  }
+  __syncthreads();
+
+  const int num_tasks = K::task_count(g);
+  const int role = warpgroupid();
+  if (role == K::consumers) {  // producer
+    warpgroup::decrease_registers<producer_registers<K>>();
+    if (warpgroup::thread() == 0) {
+      int stage = 0, phase = 0;
+      for (int id = blockIdx.x; id < num_tasks; id += gridDim.x) {
+        const typename K::task_t t = K::task(g, id);
+        for (int it = 0; it < t.iters; it++) {
+          wait(empty[stage], phase ^ 1);  // a fresh ring passes at once
+          K::load(smem.ring[stage], g, t, it, full[stage]);
+          if (++stage == K::stages) stage = 0, phase ^= 1;
+        }
+      }
+    }
+  } else {  // consumer `role`
+    warpgroup::increase_registers<consumer_registers<K>>();
+    typename K::consumer_state state;
+    int stage = 0, phase = 0;
+    auto release = [&](int s) {
+      if (laneid() == 0) arrive(empty[s]);
+    };
+    for (int id = blockIdx.x; id < num_tasks; id += gridDim.x) {
+      const typename K::task_t t = K::task(g, id);
+      int previous = -1;
+      for (int it = 0; it < t.iters; it++) {
+        wait(full[stage], phase);
+        K::compute(state, smem.ring[stage], g, t, it, role);
+        warpgroup::mma_async_wait<1>();  // the previous stage's matrix products are done with it
+        if (previous >= 0) release(previous);
+        previous = stage;
+        if (++stage == K::stages) stage = 0, phase ^= 1;
+      }
+      warpgroup::mma_async_wait<0>();
+      if (previous >= 0) release(previous);
+      K::finish(state, smem.scratch, g, t, role);
+    }
+    if (warpgroup::thread() == 0) tma::store_wait<0>();  // shared memory must outlive pending stores
+  }
+}
+
+// Launch on `grid` CTAs (normally min(tasks, SMs)) on `stream`.
+template <kernel_policy K>
+void launch(const typename K::globals& g, int grid, cudaStream_t stream) {
+  static_assert(shared_bytes<K> <= 227 * 1024, "the input ring and scratch do not fit in 227 KB of shared memory");
+  auto* fn = &kernel<K>;
+  int device = 0;
+  TK_CUDA_CHECK(cudaGetDevice(&device));
+  static bool configured[64] = {};  // the shared-memory opt-in is per device
+  if (device >= 64 || !configured[device]) {
+    TK_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes<K>)));
+    if (device < 64) configured[device] = true;
+  }
+  if (grid <= 0) return;
+  fn<<<grid, threads<K>, shared_bytes<K>, stream>>>(g);
+  TK_LAUNCH_CHECK();
+}
+
+}  // namespace kittens::lcsf
