@@ -53,8 +53,12 @@ struct gemm_kernel {
 
   __device__ static void finish(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t, int wg) {
     const int barrier = 1 + wg;
+    const int row = t.m * BM + wg * 64;
+    if (row >= g.c.rows()) return;  // a ragged last tile: this consumer's rows are all past M
 #pragma unroll
     for (int piece = 0; piece < BN / 64; piece++) {
+      const int col = t.n * BN + piece * 64;
+      if (col >= g.c.cols()) break;  // past N: nothing to write
       c_tile& out = scratch.c[wg][piece % 2];
       if (warpgroup::thread() == 0) tma::store_wait_read<1>();  // the store that last used `out` has read it
       warpgroup::sync(barrier);
@@ -62,7 +66,7 @@ struct gemm_kernel {
       fence_async_shared();
       warpgroup::sync(barrier);
       if (warpgroup::thread() == 0) {
-        tma::store_async(g.c, out, {.row = t.m * BM + wg * 64, .col = t.n * BN + piece * 64});
+        tma::store_async(g.c, out, {.row = row, .col = col});
         tma::store_commit_group();
       }
     }

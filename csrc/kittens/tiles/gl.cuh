@@ -86,7 +86,7 @@ template <typename Want, typename... Tiles> consteval int tile_index() {
 template <element T, int B = RUNTIME, int D = RUNTIME, int R = RUNTIME, int C = RUNTIME, typename... Tiles>
 struct gl {
   using dtype = T;
-  static constexpr std::array<int, 4> static_sizes = {B, D, R, C};
+  __host__ __device__ static constexpr int static_size(int i) { return i == 0 ? B : i == 1 ? D : i == 2 ? R : C; }
 
   T* ptr;
   long sizes[4];    // b, d, row, col
@@ -97,9 +97,9 @@ struct gl {
   // Host: sizes (b, d, row, col) and strides in elements; strides default to contiguous.
   __host__ gl(T* p, std::array<long, 4> size, std::array<long, 4> stride = {0, 0, 0, 0}) : ptr(p) {
     for (int i = 0; i < 4; i++) {
-      if (static_sizes[i] != RUNTIME && static_sizes[i] != size[i])
+      if (static_size(i) != RUNTIME && static_size(i) != size[i])
         throw std::invalid_argument("gl: dimension " + std::to_string(i) + " is fixed at " +
-                                    std::to_string(static_sizes[i]) + " but got " + std::to_string(size[i]));
+                                    std::to_string(static_size(i)) + " but got " + std::to_string(size[i]));
       sizes[i] = size[i];
     }
     if (stride == std::array<long, 4>{0, 0, 0, 0}) stride = {size[1] * size[2] * size[3], size[2] * size[3], size[3], 1};
@@ -108,7 +108,7 @@ struct gl {
     ((maps[i++] = detail::encode_tma<T, Tiles>(p, size, stride)), ...);
   }
 
-  __device__ __forceinline__ long size(int i) const { return static_sizes[i] != RUNTIME ? static_sizes[i] : sizes[i]; }
+  __device__ __forceinline__ long size(int i) const { return static_size(i) != RUNTIME ? static_size(i) : sizes[i]; }
   __device__ __forceinline__ long rows() const { return size(2); }
   __device__ __forceinline__ long cols() const { return size(3); }
   __device__ __forceinline__ T* at(coord c) const {

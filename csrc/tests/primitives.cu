@@ -1,0 +1,175 @@
+// Primitive kernels for the fast test tier: each exercises one DSL building block end to end.
+// Built as a plain shared library (no torch headers, seconds to compile) and driven through ctypes by
+// tests/gpu/test_primitives.py. Every entry point returns a cudaError_t after synchronising.
+#include "../kittens/kittens.cuh"
+
+using namespace kittens;
+
+namespace {
+
+// ---- TMA: global -> shared -> registers -> shared -> global, for each swizzle width -------------
+template <typename T, int R, int C, typename Layout>
+struct roundtrip {
+  using tile = st<T, R, C>;
+  using view = gl<T, 1, 1, RUNTIME, RUNTIME, tile>;
+  struct globals { view in, out; };
+  struct smem_t { tile a, b; };
+};
+
+template <typename T, int R, int C, typename Layout>
+__global__ void __launch_bounds__(128) roundtrip_kernel(const __grid_constant__ typename roundtrip<T, R, C, Layout>::globals g) {
+  using P = roundtrip<T, R, C, Layout>;
+  extern __shared__ uint8_t raw[];
+  auto& s = *reinterpret_cast<typename P::smem_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  __shared__ semaphore loaded;
+  if (threadIdx.x == 0) { init_semaphore(loaded, 1); fence_semaphore_init(); }
+  __syncthreads();
+  const coord at{.row = int(blockIdx.y) * R, .col = int(blockIdx.x) * C};
+  if (threadIdx.x == 0) {
+    expect_bytes(loaded, tma::bytes<typename P::tile>());
+    tma::load_async(s.a, g.in, at, loaded);
+  }
+  wait(loaded, 0);
+  rt<T, R / 4, C, Layout> r;
+  warpgroup::load(r, s.a.ref());
+  warpgroup::store(s.b.ref(), r);
+  fence_async_shared();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma::store_async(g.out, s.b, at);
+    tma::store_commit_group();
+    tma::store_wait<0>();
+  }
+}
+
+template <typename T, int R, int C, typename Layout>
+cudaError_t run_roundtrip(const void* in, void* out, int rows, int cols) {
+  using P = roundtrip<T, R, C, Layout>;
+  typename P::globals g{.in = {(T*)in, {1, 1, rows, cols}}, .out = {(T*)out, {1, 1, rows, cols}}};
+  const int smem = sizeof(typename P::smem_t) + 1024;
+  auto* fn = &roundtrip_kernel<T, R, C, Layout>;
+  cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  fn<<<dim3(ceil_div(cols, C), ceil_div(rows, R)), 128, smem>>>(g);
+  cudaError_t e = cudaGetLastError();
+  return e != cudaSuccess ? e : cudaDeviceSynchronize();
+}
+
+// ---- wgmma: D[64, N] = A[64, K] @ B with A in shared or registers, B as K x N or N x K ----------
+template <int N, int K, bool ARegs, bool BIsNK>
+struct mma_case {
+  using a_tile = st_bf<64, K>;
+  using b_tile = std::conditional_t<BIsNK, st_bf<N, K>, st_bf<K, N>>;
+  struct globals {
+    gl<bf16, 1, 1, RUNTIME, RUNTIME, a_tile> a;
+    gl<bf16, 1, 1, RUNTIME, RUNTIME, b_tile> b;
+    gl<float, 1, 1, RUNTIME, RUNTIME> d;
+  };
+  struct smem_t { a_tile a; b_tile b; };
+};
+
+template <int N, int K, bool ARegs, bool BIsNK>
+__global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typename mma_case<N, K, ARegs, BIsNK>::globals g) {
+  using P = mma_case<N, K, ARegs, BIsNK>;
+  extern __shared__ uint8_t raw[];
+  auto& s = *reinterpret_cast<typename P::smem_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  __shared__ semaphore loaded;
+  if (threadIdx.x == 0) { init_semaphore(loaded, 1); fence_semaphore_init(); }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    expect_bytes(loaded, tma::bytes<typename P::a_tile>() + tma::bytes<typename P::b_tile>());
+    tma::load_async(s.a, g.a, {}, loaded);
+    tma::load_async(s.b, g.b, {}, loaded);
+  }
+  wait(loaded, 0);
+  rt_fl<16, N> d;
+  if constexpr (ARegs) {
+    rt_bf<16, K> a;
+    warpgroup::load(a, s.a.ref());
+    if constexpr (BIsNK) warpgroup::mm_ABt(d, a, s.b); else warpgroup::mm_AB(d, a, s.b);
+  } else {
+    if constexpr (BIsNK) warpgroup::mm_ABt(d, s.a, s.b); else warpgroup::mm_AB(d, s.a, s.b);
+  }
+  warpgroup::mma_async_wait<0>();
+  warpgroup::store(g.d, d, {});
+}
+
+template <int N, int K, bool ARegs, bool BIsNK>
+cudaError_t run_mma(const void* a, const void* b, void* d) {
+  using P = mma_case<N, K, ARegs, BIsNK>;
+  typename P::globals g{.a = {(bf16*)a, {1, 1, 64, K}},
+                        .b = {(bf16*)b, {1, 1, BIsNK ? N : K, BIsNK ? K : N}},
+                        .d = {(float*)d, {1, 1, 64, N}}};
+  const int smem = sizeof(typename P::smem_t) + 1024;
+  auto* fn = &mma_kernel<N, K, ARegs, BIsNK>;
+  cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  fn<<<1, 128, smem>>>(g);
+  cudaError_t e = cudaGetLastError();
+  return e != cudaSuccess ? e : cudaDeviceSynchronize();
+}
+
+// ---- maps, reductions, broadcasts, masks on one warp's 32 x 64 fp32 tile -------------------------
+// out rows: [0] x - row_max(x) then exp2, [1] row_sum(x) broadcast, [2] col_sum(x) broadcast, [3] tril(x)
+using fp32_view = gl<float, 1, RUNTIME, RUNTIME, RUNTIME>;
+template <typename Layout>
+__global__ void maps_kernel(const __grid_constant__ fp32_view in, const __grid_constant__ fp32_view out) {
+  using tile = rt_fl<32, 64, Layout>;
+  tile t, r;
+  warp::load(t, in, {});
+  typename tile::per_row mx, sm;
+  typename tile::per_col cs;
+  row_max(mx, t);
+  row_sum(sm, t);
+  col_sum(cs, t);
+  sub_row(r, t, mx);
+  exp2(r, r);
+  auto store = [&](int which, const tile& v) { warp::store(out, v, {.d = which}); };
+  store(0, r);
+  zero(r);
+  add_row(r, r, sm);
+  store(1, r);
+  zero(r);
+  add_col(r, r, cs);
+  store(2, r);
+  tril(r, t, 0, 0, 0, -1.f);
+  store(3, r);
+}
+
+}  // namespace
+
+extern "C" {
+
+int tk_prim_roundtrip(int variant, const void* in, void* out, int rows, int cols) {
+  switch (variant) {
+    case 0: return run_roundtrip<bf16, 64, 16, row_l>(in, out, rows, cols);   // 32B swizzle
+    case 1: return run_roundtrip<bf16, 64, 32, row_l>(in, out, rows, cols);   // 64B swizzle
+    case 2: return run_roundtrip<bf16, 64, 64, row_l>(in, out, rows, cols);   // 128B swizzle
+    case 3: return run_roundtrip<bf16, 128, 192, row_l>(in, out, rows, cols); // 128B, three chunks
+    case 4: return run_roundtrip<bf16, 64, 64, col_l>(in, out, rows, cols);   // column-layout registers
+    case 5: return run_roundtrip<float, 64, 32, row_l>(in, out, rows, cols);  // fp32, 128B swizzle
+    default: return int(cudaErrorInvalidValue);
+  }
+}
+
+// variant bits: 0 = A in registers, 1 = B given as N x K
+int tk_prim_mma(int n, int variant, const void* a, const void* b, void* d) {
+#define TK_CASE(N)                                                       \
+  if (n == N) switch (variant) {                                         \
+      case 0: return run_mma<N, 64, false, false>(a, b, d);              \
+      case 1: return run_mma<N, 64, true, false>(a, b, d);               \
+      case 2: return run_mma<N, 64, false, true>(a, b, d);               \
+      case 3: return run_mma<N, 64, true, true>(a, b, d);                \
+    }
+  TK_CASE(16) TK_CASE(64) TK_CASE(128) TK_CASE(256)
+#undef TK_CASE
+  return int(cudaErrorInvalidValue);
+}
+
+int tk_prim_maps(int col_layout, const float* x, float* out) {
+  const fp32_view in{const_cast<float*>(x), {1, 1, 32, 64}}, o{out, {1, 4, 32, 64}};
+  if (col_layout) maps_kernel<col_l><<<1, 32>>>(in, o);
+  else maps_kernel<row_l><<<1, 32>>>(in, o);
+  cudaError_t e = cudaGetLastError();
+  return int(e != cudaSuccess ? e : cudaDeviceSynchronize());
+}
+
+}  // extern "C"

@@ -1,0 +1,44 @@
+"""The one benchmark entry point: `python scripts/bench.py [--family gemm ...]`.
+
+Times tk and its peers in the same process on the same inputs (../shared/BENCH.md), merges the rows of
+the families that ran into bench/results/h200.json (other families' rows are kept), and prints a table
+whose last column is tk / best peer.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from benchlib import ROOT, merge_results, print_table  # noqa: E402
+
+FAMILIES = {"gemm": "benches.gemm"}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="repeatable; default: all")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "h200.json")
+    parser.add_argument("--quick", action="store_true", help="a few cases per family (smoke run)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        found = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+        print(f"bench.py measures Hopper (sm_90) kernels and needs an H100/H200; found: {found}.", file=sys.stderr)
+        return 2
+    families = args.family or list(FAMILIES)
+    rows = []
+    for fam in families:
+        rows += importlib.import_module(FAMILIES[fam]).run(quick=args.quick)
+    if not args.quick:
+        merge_results(args.out, families, rows)
+        print(f"wrote {args.out}")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

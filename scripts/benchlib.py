@@ -1,0 +1,128 @@
+"""Timing and results plumbing for scripts/bench.py (see ../shared/BENCH.md for the protocol).
+
+Every impl of a case is timed the same way: inputs rotated over enough copies to defeat the 60 MB L2,
+calls captured once in a CUDA graph and replayed; the figure is the median over replays of the time
+per call.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+L2_BYTES = 60 * 2**20
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Row:
+    kernel: str
+    case: str
+    impl: str
+    median_ms: float
+    tflops: float | None = None
+    tbps: float | None = None
+    extra_mib: float | None = None
+    note: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+def copies_to_defeat_l2(bytes_per_set: int, cap: int = 16) -> int:
+    """How many input sets to rotate through so that consecutive calls miss in L2."""
+    return max(1, min(cap, -(-2 * L2_BYTES // max(bytes_per_set, 1))))
+
+
+def time_per_call(call: Callable[[int], object], sets: int, replays: int = 30, target_ms: float = 20.0) -> float:
+    """Median milliseconds per call of call(i) (i = input set), timed by CUDA-graph replay."""
+    for i in range(sets):  # warm-up: module load, descriptors, allocator
+        call(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(sets):
+        call(i)
+    end.record()
+    torch.cuda.synchronize()
+    eager_ms = start.elapsed_time(end) / sets
+    calls = max(sets, min(200, int(target_ms / max(eager_ms, 1e-3)) // sets * sets or sets))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for j in range(calls):
+                call(j % sets)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+def commit_of_tree() -> str:
+    """The commit being measured: $TK_COMMIT or .tk_commit (the GPU host has no .git), else git."""
+    if os.environ.get("TK_COMMIT"):
+        return os.environ["TK_COMMIT"]
+    marker = ROOT / ".tk_commit"
+    if marker.exists():
+        return marker.read_text().strip()
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def merge_results(path: pathlib.Path, families: Sequence[str], rows: Sequence[Row]) -> dict:
+    """Replace only the rows of the families that ran; keep the rest."""
+    old = json.loads(path.read_text()) if path.exists() else {"results": []}
+    kept = [r for r in old.get("results", []) if r.get("kernel") not in families]
+    props = torch.cuda.get_device_properties(0)
+    doc = {
+        "device": props.name,
+        "commit": commit_of_tree(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "sms": props.multi_processor_count,
+        "results": kept + [r.as_json() for r in rows],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    """One line per case: every impl's figure, then tk / best peer (>1 means tk is faster)."""
+    cases: dict[tuple[str, str], dict[str, Row]] = {}
+    for r in rows:
+        cases.setdefault((r.kernel, r.case), {})[r.impl] = r
+    print(f"\n{'kernel':<13}{'case':<40}{'impl: metric (ms)':<70}{'tk/best':>8}")
+    for (kernel, case), impls in cases.items():
+        def metric(r: Row) -> float:
+            return r.tflops if r.tflops is not None else r.tbps if r.tbps is not None else 1.0 / r.median_ms
+        parts = []
+        for name, r in impls.items():
+            unit = "TF" if r.tflops is not None else "TB/s" if r.tbps is not None else ""
+            parts.append(f"{name}: {metric(r):.3g}{unit} ({r.median_ms:.4g})")
+        peers = [metric(r) for n, r in impls.items() if n != "tk"]
+        ratio = f"{metric(impls['tk']) / max(peers):.3f}" if "tk" in impls and peers else "-"
+        print(f"{kernel:<13}{case:<40}{'  '.join(parts):<70}{ratio:>8}")
