@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build against the host's torch, run the GPU tests, benchmark, collect logs in $OUT.
-#   scripts/gpu_check.sh [build] [prims] [tests] [sanitize] [bench:FAMILY] ...   (default: build prims tests bench:gemm)
+#   scripts/gpu_check.sh [build] [prims] [tests] [test:PATH] [sanitize] [bench:FAMILY] [env:VAR=VALUE] [run:CMD] ...
+#   (default: build prims tests bench:gemm)
 # Prints a short summary last; full logs and bench/results/h200.json land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/tk_out}
@@ -27,6 +28,8 @@ for step in "${steps[@]}"; do
     bench:*)
       timeout -k 10 900 python3 scripts/bench.py --family "${step#bench:}" 2>&1 | tee -a "$OUT/bench.log" | tail -30; rc=${PIPESTATUS[0]}
       cp bench/results/h200.json "$OUT/h200.json" 2>/dev/null ;;
+    env:*) export "${step#env:}"; rc=0 ;;
+    run:*) timeout -k 10 900 bash -c "${step#run:}" 2>&1 | tee -a "$OUT/run.log" | tail -40; rc=${PIPESTATUS[0]} ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
   summary+=("$step rc=$rc $(( $(date +%s) - t0 ))s")

@@ -1,7 +1,8 @@
 // GEMM on kittens: 128 x 256 output tiles, a producer warpgroup streaming 64-wide k-slices of A and B
-// through a 4-stage TMA ring, two consumer warpgroups (64 rows each) accumulating with wgmma, and an
-// epilogue that writes bf16/fp16 through TMA stores in 64-column pieces while the producer already
-// loads the next tile. Tiles are visited in grouped order by a persistent grid.
+// through a TMA ring, two consumer warpgroups (64 rows each) accumulating with wgmma, and an epilogue in
+// which every warp writes its 16 rows through its own TMA stores (no cross-warp barrier) while the
+// producer already loads the next tile. Tiles are visited in grouped order by a persistent grid.
+#include <cstdlib>
 #include "../kittens/kittens.cuh"
 #include "gemm.h"
 
@@ -9,35 +10,54 @@ using namespace kittens;
 
 namespace {
 
-template <typename T, bool BIsNK>
+// Stages: depth of the input ring. The epilogue uses what the ring leaves of shared memory: with 4 stages
+// each warp double-buffers two 16 x 64 pieces, with 3 it stages its whole 16 x 256 slice at once.
+// Cluster 2: two CTAs own vertically adjacent tiles of the same column block; each loads half of the
+// shared B slice and multicasts it to both, cutting B's L2 traffic in half.
+template <typename T, bool BIsNK, int Stages, int Cluster>
 struct gemm_kernel {
-  static constexpr int BM = 128, BN = 256, BK = 64, consumers = 2, stages = 4, group_rows = 16;
+  static constexpr int BM = 128, BN = 256, BK = 64, consumers = 2, stages = Stages, cluster = Cluster;
+  static constexpr int pieces = BN / 64, batch = Stages >= 4 ? 2 : 4;
   using a_tile = st<T, BM, BK>;
   using b_tile = std::conditional_t<BIsNK, st<T, BN, BK>, st<T, BK, BN>>;
-  using c_tile = st<T, 64, 64>;
+  using b_part = std::conditional_t<BIsNK, st<T, BN / Cluster, BK>, st<T, BK, BN / Cluster>>;  // one CTA's share
+  using c_piece = st<T, 16, 64>;
 
   struct globals {
     gl<T, 1, 1, RUNTIME, RUNTIME, a_tile> a;
-    gl<T, 1, 1, RUNTIME, RUNTIME, b_tile> b;
-    gl<T, 1, 1, RUNTIME, RUNTIME, c_tile> c;
-    int tiles_m, tiles_n, k_iters;
+    gl<T, 1, 1, RUNTIME, RUNTIME, b_tile, b_part> b;
+    gl<T, 1, 1, RUNTIME, RUNTIME, c_piece> c;
+    int tiles_m, tiles_n, k_iters, group_rows;
   };
   struct input_block { a_tile a; b_tile b; };
-  struct scratch_block { c_tile c[consumers][2]; };  // double-buffered epilogue pieces per consumer
+  struct scratch_block { c_piece c[consumers][WARPGROUP_WARPS][batch]; };
   struct consumer_state { rt_fl<16, BN> acc; };
-  struct task_t { int m, n, iters; };
 
-  __device__ static int task_count(const globals& g) { return g.tiles_m * g.tiles_n; }
-  __device__ static task_t task(const globals& g, int id) {
-    const tile_xy t = grouped_order(id, g.tiles_m, g.tiles_n, group_rows);
-    return {t.row, t.col, g.k_iters};
+  struct task_t { int m, n, iters, rank; };
+
+  // Tasks are cluster-sized stacks of row blocks; rank r of the cluster takes row block r of the stack.
+  __device__ static int task_count(const globals& g) { return ceil_div(g.tiles_m, Cluster) * g.tiles_n; }
+  __device__ static task_t task(const globals& g, int id, int rank) {
+    const tile_xy t = grouped_order(id, ceil_div(g.tiles_m, Cluster), g.tiles_n, g.group_rows);
+    return {t.row * Cluster + rank, t.col, g.k_iters, rank};
   }
 
   __device__ static void load(input_block& in, const globals& g, const task_t& t, int k, semaphore& full) {
     expect_bytes(full, tma::bytes<a_tile>() + tma::bytes<b_tile>());
     tma::load_async(in.a, g.a, {.row = t.m * BM, .col = k * BK}, full);
-    if constexpr (BIsNK) tma::load_async(in.b, g.b, {.row = t.n * BN, .col = k * BK}, full);
-    else tma::load_async(in.b, g.b, {.row = k * BK, .col = t.n * BN}, full);
+    if constexpr (Cluster == 1) {
+      if constexpr (BIsNK) tma::load_async(in.b, g.b, {.row = t.n * BN, .col = k * BK}, full);
+      else tma::load_async(in.b, g.b, {.row = k * BK, .col = t.n * BN}, full);
+    } else {
+      constexpr uint16_t everyone = (1u << Cluster) - 1;
+      constexpr int share = BN / Cluster;
+      if constexpr (BIsNK)
+        tma::load_async_multicast(in.b.template row_block<share>(t.rank), g.b,
+                                  {.row = t.n * BN + t.rank * share, .col = k * BK}, full, everyone);
+      else
+        tma::load_async_multicast(in.b.template col_block<share>(t.rank), g.b,
+                                  {.row = k * BK, .col = t.n * BN + t.rank * share}, full, everyone);
+    }
   }
 
   __device__ static void compute(consumer_state& s, input_block& in, const globals&, const task_t&, int k, int wg) {
@@ -52,30 +72,38 @@ struct gemm_kernel {
   }
 
   __device__ static void finish(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t, int wg) {
-    const int barrier = 1 + wg;
-    const int row = t.m * BM + wg * 64;
-    if (row >= g.c.rows()) return;  // a ragged last tile: this consumer's rows are all past M
+    const int w = warpgroup::warp(), row = t.m * BM + wg * 64 + w * 16;
+    if (row >= g.c.rows()) return;  // this warp's rows are all past M
+    auto& buffers = scratch.c[wg][w];
 #pragma unroll
-    for (int piece = 0; piece < BN / 64; piece++) {
-      const int col = t.n * BN + piece * 64;
-      if (col >= g.c.cols()) break;  // past N: nothing to write
-      c_tile& out = scratch.c[wg][piece % 2];
-      if (warpgroup::thread() == 0) tma::store_wait_read<1>();  // the store that last used `out` has read it
-      warpgroup::sync(barrier);
-      warpgroup::store(out.ref(), col_block<64>(s.acc, piece));
+    for (int first = 0; first < pieces; first += batch) {
+      if (laneid() == 0) tma::store_wait_read<0>();  // earlier stores are done reading the buffers
+      __syncwarp();
+#pragma unroll
+      for (int p = 0; p < batch; p++) warp::store(buffers[p].ref(), col_block<64>(s.acc, first + p));
       fence_async_shared();
-      warpgroup::sync(barrier);
-      if (warpgroup::thread() == 0) {
-        tma::store_async(g.c, out, {.row = row, .col = col});
+      __syncwarp();
+      if (laneid() == 0) {
+#pragma unroll
+        for (int p = 0; p < batch; p++) {
+          const int col = t.n * BN + (first + p) * 64;
+          if (col < g.c.cols()) tma::store_async(g.c, buffers[p], {.row = row, .col = col});
+        }
         tma::store_commit_group();
       }
     }
   }
 };
 
-template <typename T, bool BIsNK>
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : fallback;
+}
+
+template <typename T, bool BIsNK, int Stages, int Cluster>
 void run(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
-  using K = gemm_kernel<T, BIsNK>;
+  using K = gemm_kernel<T, BIsNK, Stages, Cluster>;
+  static const int group_rows = env_int("TK_GEMM_GROUP_ROWS", 16);  // tuning knob: L2 raster width
   auto* a = static_cast<T*>(const_cast<void*>(p.a));
   auto* b = static_cast<T*>(const_cast<void*>(p.b));
   auto* c = static_cast<T*>(p.c);
@@ -87,9 +115,23 @@ void run(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
       .tiles_m = ceil_div(int(p.m), K::BM),
       .tiles_n = ceil_div(int(p.n), K::BN),
       .k_iters = ceil_div(int(p.k), K::BK),
+      .group_rows = group_rows,
   };
-  const int tasks = g.tiles_m * g.tiles_n;
-  lcsf::launch<K>(g, std::min(tasks, num_sms), stream);
+  const int tasks = ceil_div(g.tiles_m, Cluster) * g.tiles_n;
+  lcsf::launch<K>(g, std::min(tasks * Cluster, num_sms), stream);
+}
+
+template <typename T, bool BIsNK>
+void run_stages(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
+  static const int stages = env_int("TK_GEMM_STAGES", 4);    // tuning knob: 3 or 4
+  static const int cluster = env_int("TK_GEMM_CLUSTER", 1);  // tuning knob: 1 or 2
+  if (cluster == 2) {
+    if (stages == 3) run<T, BIsNK, 3, 2>(p, num_sms, stream);
+    else run<T, BIsNK, 4, 2>(p, num_sms, stream);
+  } else {
+    if (stages == 3) run<T, BIsNK, 3, 1>(p, num_sms, stream);
+    else run<T, BIsNK, 4, 1>(p, num_sms, stream);
+  }
 }
 
 }  // namespace
@@ -98,11 +140,11 @@ namespace tk {
 
 void gemm(const gemm_problem& p, int num_sms, cudaStream_t stream) {
   if (p.type == dtype::bf16) {
-    if (p.b_is_nk) run<bf16, true>(p, num_sms, stream);
-    else run<bf16, false>(p, num_sms, stream);
+    if (p.b_is_nk) run_stages<bf16, true>(p, num_sms, stream);
+    else run_stages<bf16, false>(p, num_sms, stream);
   } else {
-    if (p.b_is_nk) run<half, true>(p, num_sms, stream);
-    else run<half, false>(p, num_sms, stream);
+    if (p.b_is_nk) run_stages<half, true>(p, num_sms, stream);
+    else run_stages<half, false>(p, num_sms, stream);
   }
 }
 

@@ -42,6 +42,13 @@ template <> __device__ __forceinline__ half_2 convert<half_2, float2>(float2 x) 
 template <> __device__ __forceinline__ bf16_2 convert<bf16_2, bf16_2>(bf16_2 x) { return x; }
 template <> __device__ __forceinline__ half_2 convert<half_2, half_2>(half_2 x) { return x; }
 
+// Packed pair to packed pair: free when the types match, else through fp32.
+template <typename To, typename From> __device__ __forceinline__ To recast(From x) {
+  if constexpr (std::is_same_v<To, From>) return x;
+  else if constexpr (std::is_same_v<From, float2>) return convert<To>(x);
+  else return convert<To>(convert<float2>(x));
+}
+
 // The PTX spelling of a tensor-core input type, for instruction strings.
 template <tensor_core_input T> struct ptx_name;
 template <> struct ptx_name<bf16> { static constexpr const char* value = "bf16"; };

@@ -25,28 +25,46 @@ struct group {
 
   // ---- registers <-> shared ------------------------------------------------------------------------
   // Each warp moves its row block: dst rows = src rows / NW.
+  // 16-bit tiles move a 16x16 fragment per ldmatrix/stmatrix.x4 (the col layout through .trans); other
+  // element types move pairs with plain shared loads/stores. Lane l addresses row l % 8 of 8x8 block l / 8,
+  // blocks ordered as the fragment's four registers.
+  template <typename L> __device__ static __forceinline__ void block_origin(int k, int& r, int& c) {
+    if constexpr (std::is_same_v<L, row_l>) r = 8 * (k & 1), c = 8 * (k >> 1);
+    else r = 8 * (k >> 1), c = 8 * (k & 1);
+  }
+
   template <register_tile RT, shared_tile SR>
   __device__ static __forceinline__ void load(RT& dst, const SR& src) {
     static_assert(SR::rows == RT::rows * NW && SR::cols == RT::cols,
                   "group load: the shared tile must be (warps x register-tile rows) by the same cols");
     const auto block = src.template row_block<RT::rows>(warp());
-    using F = frag<typename RT::layout>;
+    using L = typename RT::layout;
+    using F = frag<L>;
     using S = typename SR::dtype;
+    constexpr bool transpose = std::is_same_v<L, col_l>;
 #pragma unroll
     for (int i = 0; i < RT::height; i++)
 #pragma unroll
-      for (int j = 0; j < RT::width; j++)
+      for (int j = 0; j < RT::width; j++) {
+        if constexpr (sizeof(S) == 2) {
+          int r, c;
+          block_origin<L>(laneid() / 8, r, c);
+          uint32_t regs[4];
+          detail::ldmatrix_x4<transpose>(regs, block.addr(16 * i + r + laneid() % 8, 16 * j + c));
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-          const int r = 16 * i + F::row(k, 0), c = 16 * j + F::col(k, 0);
-          if constexpr (std::is_same_v<typename RT::layout, row_l>) {  // the pair is two adjacent columns
-            dst.data[i][j][k] = convert<typename RT::T2>(convert<float2>(detail::ld_shared<packed<S>>(block.addr(r, c))));
-          } else {  // the pair is two adjacent rows
-            float2 v{convert<float>(detail::ld_shared<S>(block.addr(r, c))),
-                     convert<float>(detail::ld_shared<S>(block.addr(r + 1, c)))};
+          for (int k = 0; k < 4; k++) dst.data[i][j][k] = recast<typename RT::T2>(*reinterpret_cast<packed<S>*>(&regs[k]));
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; k++) {
+            const int r = 16 * i + F::row(k, 0), c = 16 * j + F::col(k, 0);
+            float2 v;
+            if constexpr (transpose) v = {convert<float>(detail::ld_shared<S>(block.addr(r, c))),
+                                          convert<float>(detail::ld_shared<S>(block.addr(r + 1, c)))};
+            else v = convert<float2>(detail::ld_shared<packed<S>>(block.addr(r, c)));
             dst.data[i][j][k] = convert<typename RT::T2>(v);
           }
         }
+      }
   }
 
   template <shared_tile SR, register_tile RT>
@@ -54,23 +72,38 @@ struct group {
     static_assert(SR::rows == RT::rows * NW && SR::cols == RT::cols,
                   "group store: the shared tile must be (warps x register-tile rows) by the same cols");
     const auto block = dst.template row_block<RT::rows>(warp());
-    using F = frag<typename RT::layout>;
+    using L = typename RT::layout;
+    using F = frag<L>;
     using S = typename SR::dtype;
+    constexpr bool transpose = std::is_same_v<L, col_l>;
 #pragma unroll
     for (int i = 0; i < RT::height; i++)
 #pragma unroll
-      for (int j = 0; j < RT::width; j++)
+      for (int j = 0; j < RT::width; j++) {
+        if constexpr (sizeof(S) == 2) {
+          uint32_t regs[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-          const int r = 16 * i + F::row(k, 0), c = 16 * j + F::col(k, 0);
-          const float2 v = convert<float2>(src.data[i][j][k]);
-          if constexpr (std::is_same_v<typename RT::layout, row_l>) {
-            detail::st_shared(block.addr(r, c), convert<packed<S>>(v));
-          } else {
-            detail::st_shared(block.addr(r, c), convert<S>(v.x));
-            detail::st_shared(block.addr(r + 1, c), convert<S>(v.y));
+          for (int k = 0; k < 4; k++) {
+            const packed<S> p = recast<packed<S>>(src.data[i][j][k]);
+            regs[k] = *reinterpret_cast<const uint32_t*>(&p);
+          }
+          int r, c;
+          block_origin<L>(laneid() / 8, r, c);
+          detail::stmatrix_x4<transpose>(block.addr(16 * i + r + laneid() % 8, 16 * j + c), regs);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; k++) {
+            const int r = 16 * i + F::row(k, 0), c = 16 * j + F::col(k, 0);
+            const float2 v = convert<float2>(src.data[i][j][k]);
+            if constexpr (transpose) {
+              detail::st_shared(block.addr(r, c), convert<S>(v.x));
+              detail::st_shared(block.addr(r + 1, c), convert<S>(v.y));
+            } else {
+              detail::st_shared(block.addr(r, c), convert<packed<S>>(v));
+            }
           }
         }
+      }
   }
 
   // ---- registers <-> global (bounds-checked: rows >= src.rows() and cols >= src.cols() read as 0) --

@@ -10,18 +10,23 @@
 //     static constexpr int consumers, stages;
 //     struct globals; struct input_block; struct scratch_block; struct consumer_state; struct task_t;
 //     static int task_count(const globals&);                       // tasks in the work list
-//     static task_t task(const globals&, int id);                  // id -> work item (tile order lives here)
+//     static task_t task(const globals&, int id, int rank);        // id -> work item (tile order lives here)
 //     static void load(input_block&, const globals&, const task_t&, int iter, semaphore& full);  // 1 thread
 //     static void compute(consumer_state&, input_block&, const globals&, const task_t&, int iter, int consumer);
 //     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
 //   };
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
 //   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
+//
+// Clusters: a policy may set `static constexpr int cluster = 2` (or 4). Its CTAs then walk the work list
+// together (task ids count clusters, and K::task maps (id, rank) to each CTA's own work item), and a stage
+// is reloaded only once every CTA of the cluster has freed it, so loads may multicast into all of them.
 #pragma once
 #include <cuda_runtime.h>
 #include "../core/errors.cuh"
 #include "../ops/group.cuh"
 #include "../ops/semaphore.cuh"
+#include "../ops/cluster.cuh"
 #include "../ops/tma.cuh"
 
 namespace kittens::lcsf {
@@ -38,6 +43,10 @@ concept kernel_policy = requires {
 };
 
 template <kernel_policy K> constexpr int threads = (K::consumers + 1) * WARPGROUP_THREADS;
+template <typename K> consteval int cluster_size() {
+  if constexpr (requires { K::cluster; }) return K::cluster;
+  else return 1;
+}
 template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 24 : 40;
 // What is left of the 64K-register file, split over the consumers (at most 240 a thread).
 template <kernel_policy K> constexpr int consumer_registers =
@@ -55,23 +64,28 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   auto& smem = *reinterpret_cast<shared_layout<K>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   __shared__ semaphore full[K::stages], empty[K::stages];
 
+  constexpr int cluster = cluster_size<K>();
   if (threadIdx.x == 0) {
     for (int s = 0; s < K::stages; s++) {
-      init_semaphore(full[s], 1);                                  // the producer's expect_bytes
-      init_semaphore(empty[s], K::consumers * WARPGROUP_WARPS);    // one arrival per consumer warp
+      init_semaphore(full[s], 1);                                          // the producer's expect_bytes
+      init_semaphore(empty[s], cluster * K::consumers * WARPGROUP_WARPS);  // every consumer warp of the cluster
     }
     fence_semaphore_init();
   }
-  __syncthreads();
+  if constexpr (cluster > 1) cluster_sync();
+  else __syncthreads();
 
   const int num_tasks = K::task_count(g);
+  const int rank = cluster > 1 ? cluster_rank() : 0;
+  const int first = cluster > 1 ? cluster_id_x() : int(blockIdx.x);
+  const int step = cluster > 1 ? cluster_count_x() : int(gridDim.x);
   const int role = warpgroupid();
   if (role == K::consumers) {  // producer
     warpgroup::decrease_registers<producer_registers<K>>();
     if (warpgroup::thread() == 0) {
       int stage = 0, phase = 0;
-      for (int id = blockIdx.x; id < num_tasks; id += gridDim.x) {
-        const typename K::task_t t = K::task(g, id);
+      for (int id = first; id < num_tasks; id += step) {
+        const typename K::task_t t = K::task(g, id, rank);
         for (int it = 0; it < t.iters; it++) {
           wait(empty[stage], phase ^ 1);  // a fresh ring passes at once
           K::load(smem.ring[stage], g, t, it, full[stage]);
@@ -84,10 +98,17 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     typename K::consumer_state state;
     int stage = 0, phase = 0;
     auto release = [&](int s) {
-      if (laneid() == 0) arrive(empty[s]);
+      if (laneid() == 0) {
+        if constexpr (cluster > 1) {
+#pragma unroll
+          for (int cta = 0; cta < cluster; cta++) arrive_remote(empty[s], cta);
+        } else {
+          arrive(empty[s]);
+        }
+      }
     };
-    for (int id = blockIdx.x; id < num_tasks; id += gridDim.x) {
-      const typename K::task_t t = K::task(g, id);
+    for (int id = first; id < num_tasks; id += step) {
+      const typename K::task_t t = K::task(g, id, rank);
       int previous = -1;
       for (int it = 0; it < t.iters; it++) {
         wait(full[stage], phase);
@@ -103,9 +124,11 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     }
     if (warpgroup::thread() == 0) tma::store_wait<0>();  // shared memory must outlive pending stores
   }
+  // No CTA may leave while a peer can still multicast into it or arrive on its semaphores.
+  if constexpr (cluster > 1) cluster_sync();
 }
 
-// Launch on `grid` CTAs (normally min(tasks, SMs)) on `stream`.
+// Launch on `grid` CTAs (normally min(tasks, SMs), rounded down to whole clusters) on `stream`.
 template <kernel_policy K>
 void launch(const typename K::globals& g, int grid, cudaStream_t stream) {
   static_assert(shared_bytes<K> <= 227 * 1024, "the input ring and scratch do not fit in 227 KB of shared memory");
@@ -117,9 +140,22 @@ void launch(const typename K::globals& g, int grid, cudaStream_t stream) {
     TK_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes<K>)));
     if (device < 64) configured[device] = true;
   }
+  constexpr int cluster = cluster_size<K>();
+  grid = grid / cluster * cluster;
   if (grid <= 0) return;
-  fn<<<grid, threads<K>, shared_bytes<K>, stream>>>(g);
-  TK_LAUNCH_CHECK();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads<K>);
+  config.dynamicSmemBytes = shared_bytes<K>;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  TK_CUDA_CHECK(cudaLaunchKernelEx(&config, fn, g));
 }
 
 }  // namespace kittens::lcsf

@@ -1,0 +1,42 @@
+"""Sweep the GEMM launch knobs (ring depth, cluster multicast, raster width) on the GPU.
+
+Each variant runs the gemm benchmark family in its own process (the knobs are read once per process from
+TK_GEMM_STAGES, TK_GEMM_CLUSTER, TK_GEMM_GROUP_ROWS) and the table shows tk / cuBLAS per case and variant.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VARIANTS = [dict(TK_GEMM_STAGES=s, TK_GEMM_CLUSTER=c, TK_GEMM_GROUP_ROWS=g)
+            for s, c, g in itertools.product((4, 3), (1, 2), (16,))] + [
+               dict(TK_GEMM_STAGES=4, TK_GEMM_CLUSTER=2, TK_GEMM_GROUP_ROWS=8)]
+
+
+def main() -> int:
+    table: dict[str, dict[str, float]] = {}
+    for v in VARIANTS:
+        label = f"s{v['TK_GEMM_STAGES']}c{v['TK_GEMM_CLUSTER']}g{v['TK_GEMM_GROUP_ROWS']}"
+        out = pathlib.Path(tempfile.mkdtemp()) / "gemm.json"
+        env = {**os.environ, **{k: str(x) for k, x in v.items()}}
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--family", "gemm", "--out", str(out)],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
+        rows = json.loads(out.read_text())["results"]
+        by = {(r["case"], r["impl"]): r["tflops"] for r in rows}
+        for case in dict.fromkeys(r["case"] for r in rows):
+            table.setdefault(case, {})[label] = by[(case, "tk")] / by[(case, "cublas")]
+    labels = list(next(iter(table.values())))
+    print(f"{'tk/cublas':<22}" + "".join(f"{l:>12}" for l in labels))
+    for case, ratios in table.items():
+        print(f"{case:<22}" + "".join(f"{ratios[l]:>12.3f}" for l in labels))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""Split-KV plan for paged decode: which CTA attends which pages, and how partial results are merged.
+
+Two halves, so that decode can be captured in a CUDA graph for a fixed batch size:
+
+* `DecodePlan` (host, static): chosen once per batch *shape* from configs/<gpu>.json or the analytic cost model
+  below; it fixes the KV chunk size (a multiple of the page size), the most chunks a sequence can have, the
+  number of persistent CTAs (the SM count), and so every workspace size.
+* `build_work_list` (device, per step): reads the per-sequence context lengths, which exist only on the
+  device, and fills a preallocated `DecodeWorkspace` with torch ops only: no host sync, no data-dependent
+  shapes, the same kernels on every replay.
+
+Work decomposition
+    A segment is (sequence b, kv head h): all q_len * (Hq // Hkv) query rows that read kv head h, against the
+    keys [lo_b, L_b) of sequence b, where L_b = cache_seqlens[b] and lo_b = max(0, L_b - q_len - window_left)
+    with a left window (keys before it are invisible to every query), else 0.
+    Chunks are aligned in absolute key positions: chunk c covers [c * C, (c + 1) * C) with C = chunk_tokens, so
+    a chunk never starts mid-page. The s-th chunk of segment (b, h) that intersects [lo_b, L_b) is work item
+    slot ((b * Hkv) + h) * max_splits + s; slots past a segment's chunk count are empty (start == end == 0).
+    work_items[slot] = (b, h, start, end), the key range of that item.
+
+CTA assignment (persistent grid of num_ctas CTAs)
+    An item costs its key count plus a fixed overhead (`item_overhead_tokens`); empty items cost 0. With
+    `before[i]` the summed cost of slots < i and `total` the sum of all, CTA c runs the contiguous slots
+    i in [cta_start[c], cta_start[c + 1]), namely those with c * total <= num_ctas * before[i] < (c + 1) * total.
+    So every CTA gets at most total / num_ctas + one item's cost: the imbalance is bounded by one chunk.
+
+Combine (the LSE merge)
+    Item i writes, for each of its rows r = (query t, head-in-group g):
+        partial_lse[i, t, g]    = log sum_j exp(s_rj)          over the item's keys j visible to r
+        partial_out[i, t, g, :] = sum_j exp(s_rj - lse) v_j     (already normalised within the chunk)
+    where s_rj is the scaled (and soft-capped) score; a row with no visible key in the chunk has lse = -inf and
+    contributes nothing. For segment (b, h) and row r, over its non-empty slots i:
+        m   = max_i partial_lse[i, r];  if m == -inf: out = 0, lse = -inf (no visible key at all)
+        w_i = exp(partial_lse[i, r] - m)
+        out = sum_i w_i partial_out[i, r] / sum_i w_i,   lse = m + log sum_i w_i
+    A segment with a single non-empty item may write out/lse directly and skip the merge; the result is the
+    same. `merge_partials` is this merge in torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# Below two 128-key tiles per chunk the kernel's load pipeline never reaches steady state.
+MIN_CHUNK_TOKENS = 256
+# Partial results of split sequences are float32: cap them so a huge batch x context shape cannot take
+# gigabytes of workspace just to balance better.
+MAX_WORKSPACE_BYTES = 256 << 20
+
+# Analytic cost model, in microseconds of one SM. Decode is memory bound: an SM streams its share of HBM
+# bandwidth (~4.8 TB/s over 132 SMs on H200, less achieved), and each item pays a fixed latency to fill its
+# load pipeline and write its partial; splitting a segment costs a grid-wide dependency before the merge.
+SM_BYTES_PER_US = 30_000
+ITEM_LATENCY_US = 1.0
+MERGE_LATENCY_US = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    batch: int
+    max_context: int  # tokens a sequence can hold: block_table columns x page size
+    q_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    window_left: int  # -1: unbounded
+    num_ctas: int
+    chunk_tokens: int  # multiple of page_size
+    max_splits: int  # chunks one segment can have
+    source: str  # "table", "analytic" or "num_splits"
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def max_items(self) -> int:
+        return self.batch * self.num_kv_heads * self.max_splits
+
+    @property
+    def item_overhead_tokens(self) -> int:
+        return item_overhead_tokens(self.q_len * self.group, self.head_dim)
+
+
+@dataclasses.dataclass
+class DecodeWorkspace:
+    """Device buffers of one plan; allocate once (e.g. before graph capture) and reuse on every step."""
+
+    work_items: torch.Tensor  # int32 [max_items, 4]: (sequence, kv head, key start, key end)
+    cta_start: torch.Tensor  # int32 [num_ctas + 1]: CTA c runs slots [cta_start[c], cta_start[c + 1])
+    partial_out: torch.Tensor  # float32 [max_items, q_len, group, head_dim]
+    partial_lse: torch.Tensor  # float32 [max_items, q_len, group]
+
+    @classmethod
+    def allocate(cls, plan: DecodePlan, device: torch.device | str) -> "DecodeWorkspace":
+        n = plan.max_items
+        return cls(
+            work_items=torch.zeros(n, 4, dtype=torch.int32, device=device),
+            cta_start=torch.zeros(plan.num_ctas + 1, dtype=torch.int32, device=device),
+            partial_out=torch.empty(n, plan.q_len, plan.group, plan.head_dim, dtype=torch.float32, device=device),
+            partial_lse=torch.empty(n, plan.q_len, plan.group, dtype=torch.float32, device=device),
+        )
+
+
+# --------------------------------------------------------------------------------------- static planning
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def item_overhead_tokens(rows: int, head_dim: int) -> int:
+    """An item's fixed cost in key-token equivalents: pipeline latency plus its Q load and partial store/reload."""
+    token_bytes = 4 * head_dim  # one key and one value, 16-bit
+    row_bytes = rows * head_dim * (2 + 4 + 4)  # Q in, float32 partial out, read back by the merge
+    return _ceil_div(int(ITEM_LATENCY_US * SM_BYTES_PER_US) + row_bytes, token_bytes)
+
+
+def _span_tokens(max_context: int, q_len: int, window_left: int) -> int:
+    """The most keys one segment attends: the whole context, or the window plus the new tokens."""
+    return max_context if window_left < 0 else min(max_context, window_left + q_len)
+
+
+def _max_splits(chunk: int, max_context: int, q_len: int, window_left: int) -> int:
+    splits = _ceil_div(max_context, chunk)
+    if window_left >= 0:  # an unaligned span of w keys touches at most ceil(w / chunk) + 1 chunks
+        splits = min(splits, _ceil_div(window_left + q_len, chunk) + 1)
+    return max(splits, 1)
+
+
+def _makespan_us(segments: int, span: int, chunk: int, splits: int, overhead: int, num_ctas: int, head_dim: int) -> float:
+    """Balanced-partition bound: average CTA load plus one item, plus the merge latency if anything is split."""
+    token_us = 4 * head_dim / SM_BYTES_PER_US
+    total = segments * (span + splits * overhead) * token_us
+    biggest = (min(chunk, span) + overhead) * token_us
+    return total / num_ctas + biggest + (MERGE_LATENCY_US if splits > 1 else 0.0)
+
+
+def analytic_chunk_tokens(
+    batch: int, max_context: int, q_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    page_size: int, num_ctas: int, window_left: int = -1,
+) -> int:
+    """The chunk size minimising the modelled time of two extremes of a fixed-shape batch.
+
+    All sequences at max context (throughput: favours few splits) and one sequence at max context with the
+    rest empty (latency: favours many splits, or the SMs idle). A CUDA graph replays both, so the chunk must
+    not be terrible at either; ties go to the larger chunk (fewer partials).
+    """
+    span = _span_tokens(max_context, q_len, window_left)
+    rows = q_len * (num_q_heads // num_kv_heads)
+    overhead = item_overhead_tokens(rows, head_dim)
+    chunk = _ceil_div(MIN_CHUNK_TOKENS, page_size) * page_size
+    best: tuple[float, int] | None = None
+    while True:
+        splits = _max_splits(chunk, max_context, q_len, window_left)
+        workspace = batch * num_kv_heads * splits * rows * (head_dim + 1) * 4
+        if workspace <= MAX_WORKSPACE_BYTES or splits == 1:
+            cost = sum(
+                _makespan_us(seqs * num_kv_heads, span, chunk, splits, overhead, num_ctas, head_dim)
+                for seqs in (batch, 1)
+            )
+            if best is None or cost <= best[0]:
+                best = (cost, chunk)
+        if chunk >= span:
+            return best[1]
+        chunk *= 2
+
+
+@functools.lru_cache(maxsize=256)
+def make_plan(
+    batch: int, max_context: int, q_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    page_size: int, num_sms: int, window_left: int = -1, num_splits: int = 0, device_name: str | None = None,
+) -> DecodePlan:
+    """The plan for one batch shape. num_splits > 0 forces that many chunks per full-length sequence (like
+    flash-attn's num_splits); otherwise configs/ is consulted for `device_name`, then the analytic model."""
+    if num_splits > 0:
+        chunk, source = _ceil_div(_ceil_div(max(max_context, 1), num_splits), page_size) * page_size, "num_splits"
+    else:
+        chunk = lookup_chunk_tokens(
+            device_config(device_name), batch, max_context, q_len, num_q_heads // num_kv_heads, head_dim
+        )
+        source = "table"
+        if chunk is None:
+            chunk = analytic_chunk_tokens(batch, max_context, q_len, num_q_heads, num_kv_heads, head_dim,
+                                          page_size, num_sms, window_left)
+            source = "analytic"
+        chunk = _ceil_div(chunk, page_size) * page_size
+    return DecodePlan(
+        batch=batch, max_context=max_context, q_len=q_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, window_left=window_left, num_ctas=num_sms, chunk_tokens=chunk,
+        max_splits=_max_splits(chunk, max_context, q_len, window_left), source=source,
+    )
+
+
+# ----------------------------------------------------------------------------------- device work list
+
+
+def build_work_list(plan: DecodePlan, cache_seqlens: torch.Tensor, workspace: DecodeWorkspace) -> None:
+    """Fill workspace.work_items and .cta_start from the device-resident context lengths, without a host sync.
+
+    Lengths beyond plan.max_context (the block table's capacity) are clamped to it, so the kernel never reads
+    past the table; such a sequence is truncated, which is the caller's contract to avoid.
+    """
+    dev = cache_seqlens.device
+    chunk, splits, hkv = plan.chunk_tokens, plan.max_splits, plan.num_kv_heads
+    length = cache_seqlens.to(torch.int64).clamp(0, plan.max_context)  # [B]
+    if plan.window_left >= 0:
+        lo = (length - plan.q_len - plan.window_left).clamp_min(0)
+    else:
+        lo = torch.zeros_like(length)
+    first_chunk = lo // chunk
+    num_chunks = (length + chunk - 1) // chunk - first_chunk  # 0 for an empty sequence
+
+    s = torch.arange(splits, device=dev)
+    aligned = (first_chunk[:, None] + s) * chunk  # [B, S]
+    start = torch.maximum(aligned, lo[:, None])
+    end = torch.minimum(aligned + chunk, length[:, None])
+    used = s < num_chunks[:, None]
+    start, end = start * used, end * used  # empty slots: start == end == 0
+
+    shape = (plan.batch, hkv, splits)
+    seq = torch.arange(plan.batch, device=dev)[:, None, None].expand(shape)
+    head = torch.arange(hkv, device=dev)[None, :, None].expand(shape)
+    items = torch.stack([seq, head, start[:, None].expand(shape), end[:, None].expand(shape)], dim=-1)
+    workspace.work_items.copy_(items.reshape(-1, 4))
+
+    cost = ((end - start) + plan.item_overhead_tokens * used)[:, None].expand(shape).reshape(-1)
+    before = torch.cumsum(cost, 0) - cost
+    total = cost.sum()
+    ctas = plan.num_ctas
+    bounds = torch.searchsorted(before * ctas, torch.arange(ctas, device=dev) * total)
+    workspace.cta_start[:ctas].copy_(bounds)
+    workspace.cta_start[ctas] = plan.max_items
+
+
+def merge_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combine step in torch: partial_out [..., S, R, D], partial_lse [..., S, R], valid [..., S] bool.
+
+    Returns (out [..., R, D], lse [..., R]); rows with no visible key anywhere get out = 0, lse = -inf.
+    """
+    lse = partial_lse.float().masked_fill(~valid[..., None], -math.inf)
+    m = lse.amax(dim=-2, keepdim=True).clamp_min(torch.finfo(torch.float32).min)  # finite even if all -inf
+    w = torch.exp(lse - m)  # [..., S, R]
+    total = w.sum(dim=-2)  # [..., R]
+    out = torch.einsum("...sr,...srd->...rd", w, partial_out.float().nan_to_num()) / total.clamp_min(1e-30)[..., None]
+    return out, m.squeeze(-2) + torch.log(total)
+
+
+# ------------------------------------------------------------------------------------------ config table
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBucket:
+    """One row of a config table: inclusive ranges of a batch shape, and the chunk size tuned for it."""
+
+    batch: tuple[int, int]
+    max_context: tuple[int, int]
+    q_len: tuple[int, int]
+    group: tuple[int, int]  # Hq // Hkv
+    head_dim: tuple[int, ...] | None  # None: any
+    chunk_tokens: int
+
+    def matches(self, batch: int, max_context: int, q_len: int, group: int, head_dim: int) -> bool:
+        return (
+            self.batch[0] <= batch <= self.batch[1]
+            and self.max_context[0] <= max_context <= self.max_context[1]
+            and self.q_len[0] <= q_len <= self.q_len[1]
+            and self.group[0] <= group <= self.group[1]
+            and (self.head_dim is None or head_dim in self.head_dim)
+        )
+
+
+def _int_range(entry: dict, key: str, where: str) -> tuple[int, int]:
+    value = entry.get(key, [0, 2**62])
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) for x in value) and value[0] <= value[1]):
+        raise ValueError(f"{where}: {key} must be [low, high] integers with low <= high, got {value!r}")
+    return value[0], value[1]
+
+
+def load_config(path: str | Path) -> tuple[DecodeBucket, ...]:
+    """The decode buckets of a config file, in file order (the first matching bucket wins)."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    buckets = []
+    for i, entry in enumerate(data.get("decode", {}).get("buckets", [])):
+        where = f"{path} decode.buckets[{i}]"
+        chunk = entry.get("chunk_tokens")
+        if not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"{where}: chunk_tokens must be a positive integer, got {chunk!r}")
+        head_dim = entry.get("head_dim")
+        if head_dim is not None and not (isinstance(head_dim, list) and all(isinstance(d, int) for d in head_dim)):
+            raise ValueError(f"{where}: head_dim must be a list of integers, got {head_dim!r}")
+        buckets.append(DecodeBucket(
+            batch=_int_range(entry, "batch", where), max_context=_int_range(entry, "max_context", where),
+            q_len=_int_range(entry, "q_len", where), group=_int_range(entry, "group", where), head_dim=tuple(head_dim) if head_dim is not None else None,
+            chunk_tokens=chunk,
+        ))
+    return tuple(buckets)
+
+
+@functools.lru_cache(maxsize=None)
+def device_config(device_name: str | None) -> tuple[DecodeBucket, ...]:
+    """The buckets of the configs/*.json whose "device" equals device_name; none if there is no such file."""
+    if device_name is None or not CONFIG_DIR.is_dir():
+        return ()
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        if json.loads(path.read_text()).get("device") == device_name:
+            return load_config(path)
+    return ()
+
+
+def lookup_chunk_tokens(
+    buckets: tuple[DecodeBucket, ...], batch: int, max_context: int, q_len: int, group: int, head_dim: int
+) -> int | None:
+    for bucket in buckets:
+        if bucket.matches(batch, max_context, q_len, group, head_dim):
+            return bucket.chunk_tokens
+    return None
