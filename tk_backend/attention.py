@@ -75,7 +75,9 @@ def _half_tensor(t: object, name: str, layout: str) -> torch.Tensor:
     return _checks.tensor(t, name)  # device
 
 
-def _index_tensor(t: object, name: str, expected_shape: tuple[int, ...], layout: str, ref: torch.Tensor) -> torch.Tensor:
+def _index_tensor(
+    t: object, name: str, expected_shape: tuple[int, ...], layout: str, ref: torch.Tensor
+) -> torch.Tensor:
     t = _checks.tensor(t, name, dtypes=(torch.int32,))
     _rank(t, name, layout)
     _checks.same_device(t, ref, name, "q")
@@ -190,12 +192,11 @@ def check_block_table(block_table: torch.Tensor, seqlens_k: torch.Tensor, num_bl
                          f"{num_blocks} blocks (sequence {b} uses {int(pages_used[b])} pages)")
 
 
-def _debug_check_block_table(block_table: torch.Tensor, seqlens_k: torch.Tensor, num_blocks: int, block_size: int) -> None:
-    if os.environ.get("TK_CHECK_BLOCK_TABLE", "0") in ("", "0"):
-        return
-    if block_table.device.type == "meta" or (block_table.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    check_block_table(block_table, seqlens_k, num_blocks, block_size)
+def _block_table_check_wanted(block_table: torch.Tensor) -> bool:
+    """TK_CHECK_BLOCK_TABLE=1 asks for check_block_table, where there is data to read and syncing is legal."""
+    if os.environ.get("TK_CHECK_BLOCK_TABLE", "0") in ("", "0") or block_table.device.type == "meta":
+        return False
+    return not (block_table.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def validate_varlen(
@@ -249,8 +250,9 @@ def validate_dense(q, k, v, softmax_scale, causal, window_size, softcap, out) ->
     _kv_like_q(q, k, v, "k", "v")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k must have q's batch size {q.shape[0]}, got {k.shape[0]}")
-    if q.shape[0] < 1:
-        raise ValueError(f"q must have batch >= 1, got {q.shape[0]}")
+    if min(q.shape[0], q.shape[1], k.shape[1]) < 1:
+        raise ValueError(f"flash_attn_func needs batch, seqlen_q and seqlen_k >= 1, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
     if out is not None:
         out = _checks.tensor(out, "out")
         _checks.same_dtype(out, q, "out", "q")
@@ -276,7 +278,9 @@ def validate_decode(
         raise ValueError(f"q_len (q.shape[1]) must be between 1 and {MAX_DECODE_Q_LEN}, got {q_len}")
     _index_tensor(cache_seqlens, "cache_seqlens", (batch,), "[batch]", q)
     if block_table is None:
-        raise ValueError("block_table is required: decode reads paged caches [num_blocks, block_size, kv_heads, head_dim]")
+        raise ValueError(
+            "block_table is required: decode reads paged caches [num_blocks, block_size, kv_heads, head_dim]"
+        )
     block_table = _checks.tensor(block_table, "block_table", dtypes=(torch.int32,))
     _rank(block_table, "block_table", "[batch, max_blocks]")
     _checks.same_device(block_table, q, "block_table", "q")
@@ -304,9 +308,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seq
     q = _addressable_copy(q)
     if block_table is None:
         k, v = _addressable_copy(k), _addressable_copy(v)
-    else:
+    elif _block_table_check_wanted(block_table):
         seqlens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        _debug_check_block_table(block_table, seqlens, k.shape[0], k.shape[1])
+        check_block_table(block_table, seqlens, k.shape[0], k.shape[1])
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
             scale, causal, window[0], window[1], softcap)
     if out is None:
@@ -382,9 +386,14 @@ def flash_attn_func(
 
 
 @functools.lru_cache(maxsize=None)
-def _device_info(index: int) -> tuple[int, str]:
+def _device_properties(index: int) -> tuple[int, str]:
     props = torch.cuda.get_device_properties(index)
     return props.multi_processor_count, props.name
+
+
+def _device_info(device: torch.device) -> tuple[int, str]:
+    """(SM count, name) of a CUDA device, queried once: the persistent grid and the config table depend on it."""
+    return _device_properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def flash_attn_with_kvcache(
@@ -414,11 +423,14 @@ def flash_attn_with_kvcache(
     require_kernels(q)
     bsz, q_len, hq, d = q.shape
     num_blocks, block_size, hkv, _ = k_cache.shape
-    _debug_check_block_table(block_table, cache_seqlens, num_blocks, block_size)
-    num_sms, device_name = _device_info(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    # A causal window's right edge is the diagonal; the plan only needs the left edge to skip invisible pages.
-    plan = decode_plan.make_plan(bsz, block_table.shape[1] * block_size, q_len, hq, hkv, d, block_size, num_sms,
-                                 window[0], num_splits, device_name)
+    if _block_table_check_wanted(block_table):
+        check_block_table(block_table, cache_seqlens, num_blocks, block_size)
+    num_sms, device_name = _device_info(q.device)
+    # The plan is static per batch shape: the longest context is what the block table can address, and only
+    # the window's left edge matters (keys left of it are invisible to every query, so their pages are skipped).
+    max_context = block_table.shape[1] * block_size
+    plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0], num_splits,
+                                 device_name)
     workspace = decode_plan.DecodeWorkspace.allocate(plan, q.device)
     decode_plan.build_work_list(plan, cache_seqlens, workspace)
     q = _addressable_copy(q)

@@ -103,8 +103,8 @@ class DecodeWorkspace:
     def allocate(cls, plan: DecodePlan, device: torch.device | str) -> "DecodeWorkspace":
         n = plan.max_items
         return cls(
-            work_items=torch.zeros(n, 4, dtype=torch.int32, device=device),
-            cta_start=torch.zeros(plan.num_ctas + 1, dtype=torch.int32, device=device),
+            work_items=torch.empty(n, 4, dtype=torch.int32, device=device),
+            cta_start=torch.empty(plan.num_ctas + 1, dtype=torch.int32, device=device),
             partial_out=torch.empty(n, plan.q_len, plan.group, plan.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(n, plan.q_len, plan.group, dtype=torch.float32, device=device),
         )
@@ -136,7 +136,9 @@ def _max_splits(chunk: int, max_context: int, q_len: int, window_left: int) -> i
     return max(splits, 1)
 
 
-def _makespan_us(segments: int, span: int, chunk: int, splits: int, overhead: int, num_ctas: int, head_dim: int) -> float:
+def _makespan_us(
+    segments: int, span: int, chunk: int, splits: int, overhead: int, num_ctas: int, head_dim: int
+) -> float:
     """Balanced-partition bound: average CTA load plus one item, plus the merge latency if anything is split."""
     token_us = 4 * head_dim / SM_BYTES_PER_US
     total = segments * (span + splits * overhead) * token_us
@@ -241,7 +243,9 @@ def build_work_list(plan: DecodePlan, cache_seqlens: torch.Tensor, workspace: De
     workspace.cta_start[ctas] = plan.max_items
 
 
-def merge_partials(partial_out: torch.Tensor, partial_lse: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The combine step in torch: partial_out [..., S, R, D], partial_lse [..., S, R], valid [..., S] bool.
 
     Returns (out [..., R, D], lse [..., R]); rows with no visible key anywhere get out = 0, lse = -inf.
@@ -280,7 +284,8 @@ class DecodeBucket:
 
 def _int_range(entry: dict, key: str, where: str) -> tuple[int, int]:
     value = entry.get(key, [0, 2**62])
-    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) for x in value) and value[0] <= value[1]):
+    ok = isinstance(value, list) and len(value) == 2 and all(isinstance(x, int) for x in value)
+    if not (ok and value[0] <= value[1]):
         raise ValueError(f"{where}: {key} must be [low, high] integers with low <= high, got {value!r}")
     return value[0], value[1]
 
@@ -299,8 +304,11 @@ def load_config(path: str | Path) -> tuple[DecodeBucket, ...]:
         if head_dim is not None and not (isinstance(head_dim, list) and all(isinstance(d, int) for d in head_dim)):
             raise ValueError(f"{where}: head_dim must be a list of integers, got {head_dim!r}")
         buckets.append(DecodeBucket(
-            batch=_int_range(entry, "batch", where), max_context=_int_range(entry, "max_context", where),
-            q_len=_int_range(entry, "q_len", where), group=_int_range(entry, "group", where), head_dim=tuple(head_dim) if head_dim is not None else None,
+            batch=_int_range(entry, "batch", where),
+            max_context=_int_range(entry, "max_context", where),
+            q_len=_int_range(entry, "q_len", where),
+            group=_int_range(entry, "group", where),
+            head_dim=tuple(head_dim) if head_dim is not None else None,
             chunk_tokens=chunk,
         ))
     return tuple(buckets)

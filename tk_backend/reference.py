@@ -221,8 +221,8 @@ def mamba_chunk_scan(
     A, xf = A.float(), x.float()
     Bh, Ch = _groups_to_heads(B, heads, 2), _groups_to_heads(C, heads, 2)
     if cu_seqlens is None:
-        state0 = initial_states.float() if initial_states is not None else x.new_zeros(bsz, heads, headdim, dstate, dtype=torch.float32)
-        y, final = _scan(xf, dt, A, Bh, Ch, state0)
+        zeros = x.new_zeros(bsz, heads, headdim, dstate, dtype=torch.float32)
+        y, final = _scan(xf, dt, A, Bh, Ch, initial_states.float() if initial_states is not None else zeros)
     else:
         if bsz != 1:
             raise ValueError(f"x must have batch 1 when cu_seqlens is given, got {bsz}")

@@ -1,0 +1,235 @@
+"""The split-KV decode planner on CPU tensors: coverage, balance, extremes, the merge, and the config table."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from tk_backend import decode_plan, reference
+from tests.accuracy import assert_close
+
+
+def _plan(batch, max_context, q_len=1, hq=8, hkv=2, d=128, page=16, sms=7, window_left=-1, num_splits=0):
+    return decode_plan.make_plan(batch, max_context, q_len, hq, hkv, d, page, sms, window_left, num_splits, None)
+
+
+def _built(plan, lengths):
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    ws = decode_plan.DecodeWorkspace.allocate(plan, "cpu")
+    decode_plan.build_work_list(plan, seqlens, ws)
+    return ws
+
+
+def _check_work_list(plan, lengths, ws):
+    items = ws.work_items.tolist()
+    assert len(items) == plan.max_items
+    chunk = plan.chunk_tokens
+    for b, length in enumerate(lengths):
+        length = min(length, plan.max_context)
+        lo = max(0, length - plan.q_len - plan.window_left) if plan.window_left >= 0 else 0
+        for h in range(plan.num_kv_heads):
+            base = (b * plan.num_kv_heads + h) * plan.max_splits
+            mine = items[base : base + plan.max_splits]
+            assert all(seq == b and head == h for seq, head, _, _ in mine)
+            ranges = [(s, e) for _, _, s, e in mine if e > s]
+            assert all(s == e == 0 for _, _, s, e in mine[len(ranges):]), "empty slots come last and are (0, 0)"
+            # every visible key exactly once: consecutive ranges tile [lo, length)
+            expected_start = lo
+            for s, e in ranges:
+                assert s == expected_start, f"sequence {b} head {h}: gap or overlap at {s}"
+                assert e - s <= chunk and (s == lo or s % chunk == 0) and (e - 1) // chunk == s // chunk
+                expected_start = e
+            assert expected_start == (length if length > lo else lo)
+            assert len(ranges) == (0 if length == 0 else math.ceil(length / chunk) - lo // chunk)
+
+
+def _check_balance(plan, ws):
+    starts = ws.cta_start.tolist()
+    assert starts[0] == 0 and starts[-1] == plan.max_items and starts == sorted(starts)
+    tokens = (ws.work_items[:, 3] - ws.work_items[:, 2]).long()
+    cost = tokens + plan.item_overhead_tokens * (tokens > 0)
+    total = int(cost.sum())
+    loads = [int(cost[a:b].sum()) for a, b in zip(starts[:-1], starts[1:])]
+    assert sum(loads) == total
+    assert max(loads) <= total / plan.num_ctas + int(cost.max()), f"loads {loads}"
+
+
+@pytest.mark.parametrize("window_left", [-1, 40])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_random_lengths_are_covered_once_and_balanced(window_left, q_len, seed):
+    rng = random.Random(seed)
+    plan = _plan(6, 4096, q_len=q_len, page=16, sms=5, window_left=window_left, num_splits=rng.choice([0, 3, 16]))
+    lengths = [rng.choice([0, 1, q_len, rng.randint(1, 4096), 4096]) for _ in range(6)]
+    ws = _built(plan, lengths)
+    _check_work_list(plan, lengths, ws)
+    _check_balance(plan, ws)
+
+
+def test_empty_batch_has_no_work():
+    plan = _plan(4, 1024)
+    ws = _built(plan, [0, 0, 0, 0])
+    assert (ws.work_items[:, 2:] == 0).all()
+    _check_balance(plan, ws)
+
+
+def test_single_token_sequences():
+    plan = _plan(3, 1024, num_splits=4)
+    ws = _built(plan, [1, 1, 1])
+    _check_work_list(plan, [1, 1, 1], ws)
+    assert int((ws.work_items[:, 3] > ws.work_items[:, 2]).sum()) == 3 * plan.num_kv_heads
+
+
+def test_128k_context_one_long_sequence_spreads_over_the_ctas():
+    plan = _plan(8, 131072, hq=32, hkv=8, page=16, sms=132)
+    assert plan.chunk_tokens % 16 == 0 and plan.max_splits == math.ceil(131072 / plan.chunk_tokens)
+    lengths = [131072, 0, 0, 0, 0, 0, 0, 1]
+    ws = _built(plan, lengths)
+    _check_work_list(plan, lengths, ws)
+    _check_balance(plan, ws)
+    busy = int(((ws.cta_start[1:] - ws.cta_start[:-1]) > 0).sum())
+    assert busy >= 100, f"only {busy} of 132 CTAs get work for a lone 128k sequence (chunk {plan.chunk_tokens})"
+
+
+def test_lengths_beyond_the_table_capacity_are_clamped():
+    plan = _plan(2, 512, num_splits=2)
+    ws = _built(plan, [10_000, 512])
+    assert int(ws.work_items[:, 3].max()) == 512
+    _check_work_list(plan, [512, 512], ws)
+
+
+def test_work_list_builder_traces_without_graph_breaks():
+    plan = _plan(4, 2048, num_splits=4)
+    ws = decode_plan.DecodeWorkspace.allocate(plan, "cpu")
+    build = torch.compile(functools.partial(decode_plan.build_work_list, plan), backend="eager", fullgraph=True)
+    lengths = [5, 0, 2048, 700]
+    build(torch.tensor(lengths, dtype=torch.int32), ws)
+    _check_work_list(plan, lengths, ws)
+    # and on meta tensors: shapes never depend on the lengths
+    meta_ws = decode_plan.DecodeWorkspace.allocate(plan, "meta")
+    decode_plan.build_work_list(plan, torch.empty(4, dtype=torch.int32, device="meta"), meta_ws)
+
+
+def test_workspace_is_reused_across_steps():
+    plan = _plan(3, 1024, num_splits=3)
+    ws = decode_plan.DecodeWorkspace.allocate(plan, "cpu")
+    ptrs = (ws.work_items.data_ptr(), ws.cta_start.data_ptr())
+    for lengths in ([1, 2, 3], [1024, 0, 17], [0, 0, 0]):
+        decode_plan.build_work_list(plan, torch.tensor(lengths, dtype=torch.int32), ws)
+        _check_work_list(plan, lengths, ws)
+    assert ptrs == (ws.work_items.data_ptr(), ws.cta_start.data_ptr())
+
+
+# ------------------------------------------------------------------------------------------------ merge
+
+
+def _item_partial(q, k_cache, v_cache, table, length, b, h, start, end, group, scale, causal, window):
+    """What the kernel writes for one item: per row (t, g) the chunk-local normalised output and its lse."""
+    q_len = q.shape[1]
+    pos = torch.arange(start, end)
+    pages = table[b].long()[pos // k_cache.shape[1]]
+    k = k_cache[pages, pos % k_cache.shape[1], h].double()  # [keys, D]
+    v = v_cache[pages, pos % k_cache.shape[1], h].double()
+    qh = q[b, :, h * group : (h + 1) * group].double()  # [q_len, group, D]
+    s = torch.einsum("tgd,kd->tgk", qh, k) * scale
+    visible = reference.visible_keys(q_len, length, causal, window)[:, start:end]  # [q_len, keys]
+    s = s.masked_fill(~visible[:, None, :], -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.clamp_min(-1e300)[..., None])
+    return torch.einsum("tgk,kd->tgd", p, v), lse
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (37, -1)), (False, (-1, -1)), (False, (20, 5))])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_split_and_merge_equals_reference_decode(causal, window, q_len, seed):
+    hq, hkv, d, page = 4, 2, 8, 16
+    lengths = [0, q_len, 100, 257]
+    plan = _plan(len(lengths), 320, q_len=q_len, hq=hq, hkv=hkv, d=d, page=page, sms=3, window_left=window[0],
+                 num_splits=5)
+    assert plan.chunk_tokens == 64
+    num_blocks = 4 * 20 + 5
+    k_cache, v_cache = torch.randn(num_blocks, page, hkv, d), torch.randn(num_blocks, page, hkv, d)
+    table = torch.randperm(num_blocks)[: 4 * 20].view(4, 20).to(torch.int32)
+    q = torch.randn(len(lengths), q_len, hq, d)
+    scale = d**-0.5
+    ws = _built(plan, lengths)
+    ws.partial_out.fill_(float("nan"))  # an unwritten slot must not leak into the merge
+    for i, (b, h, start, end) in enumerate(ws.work_items.tolist()):
+        if end > start:
+            o, lse = _item_partial(q, k_cache, v_cache, table, lengths[b], b, h, start, end, plan.group, scale, causal, window)
+            ws.partial_out[i], ws.partial_lse[i] = o.float(), lse.float()
+    valid = (ws.work_items[:, 3] > ws.work_items[:, 2]).view(len(lengths), hkv, plan.max_splits)
+    shape = (len(lengths), hkv, plan.max_splits, q_len * plan.group)
+    out, lse = decode_plan.merge_partials(ws.partial_out.view(*shape, d), ws.partial_lse.view(shape), valid)
+    # [B, Hkv, (t, g), D] -> [B, q_len, Hq, D]
+    out = out.view(len(lengths), hkv, q_len, plan.group, d).permute(0, 2, 1, 3, 4).reshape(len(lengths), q_len, hq, d)
+    lse = lse.view(len(lengths), hkv, q_len, plan.group).permute(0, 1, 3, 2).reshape(len(lengths), hq, q_len)
+    ref_out, ref_lse = reference.decode(q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32), table, scale,
+                                        causal, window, 0.0)
+    assert_close(out, ref_out, rel=1e-5, atol=1e-5, what=f"merged out seed={seed}")
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    assert_close(lse[finite], ref_lse[finite], rel=1e-5, atol=1e-5, what="merged lse")
+
+
+# ----------------------------------------------------------------------------------------- static plans
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+@pytest.mark.parametrize("max_context", [1, 16, 4096, 131072])
+@pytest.mark.parametrize("page", [16, 64, 256])
+def test_analytic_plans_are_well_formed(batch, max_context, page):
+    plan = _plan(batch, max_context, hq=32, hkv=8, page=page, sms=132)
+    assert plan.source == "analytic" and plan.num_ctas == 132
+    assert plan.chunk_tokens % page == 0 and plan.chunk_tokens >= decode_plan.MIN_CHUNK_TOKENS
+    assert plan.max_splits == max(1, math.ceil(max_context / plan.chunk_tokens))
+    partial_bytes = plan.max_items * plan.q_len * plan.group * (plan.head_dim + 1) * 4
+    assert partial_bytes <= decode_plan.MAX_WORKSPACE_BYTES or plan.max_splits == 1
+
+
+def test_window_bounds_the_splits():
+    plan = _plan(4, 131072, window_left=1000, num_splits=0)
+    assert plan.max_splits <= math.ceil(1001 / plan.chunk_tokens) + 1
+
+
+def test_num_splits_forces_the_chunk():
+    plan = _plan(2, 1000, page=16, num_splits=3)
+    assert plan.source == "num_splits" and plan.chunk_tokens == 336 and plan.max_splits == 3
+
+
+def test_h200_table_is_used_and_falls_back_to_the_model():
+    buckets = decode_plan.device_config("NVIDIA H200")
+    assert buckets, "configs/h200.json should describe the NVIDIA H200"
+    hit = decode_plan.make_plan(32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200")
+    assert hit.source == "table" and hit.chunk_tokens == decode_plan.lookup_chunk_tokens(buckets, 32, 32768, 1, 4, 128)
+    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200").source == "analytic"
+    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "Some Other GPU").source == "analytic"
+    assert decode_plan.device_config("Some Other GPU") == ()
+
+
+def test_table_chunks_round_up_to_the_page(tmp_path, monkeypatch):
+    (tmp_path / "x.json").write_text(json.dumps({"device": "X", "decode": {"buckets": [{"chunk_tokens": 300}]}}))
+    monkeypatch.setattr(decode_plan, "CONFIG_DIR", tmp_path)
+    decode_plan.device_config.cache_clear()
+    try:
+        plan = decode_plan.make_plan(2, 1000, 1, 8, 8, 128, 64, 10, -1, 0, "X")
+        assert plan.source == "table" and plan.chunk_tokens == 320
+    finally:
+        decode_plan.device_config.cache_clear()
+        decode_plan.make_plan.cache_clear()
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({"chunk_tokens": 0}, "chunk_tokens must be a positive integer, got 0"),
+    ({"chunk_tokens": 64, "batch": [8, 1]}, r"batch must be \[low, high\] integers with low <= high, got \[8, 1\]"),
+    ({"chunk_tokens": 64, "q_len": 3}, r"q_len must be \[low, high\]"),
+    ({"chunk_tokens": 64, "head_dim": 128}, "head_dim must be a list of integers, got 128"),
+])
+def test_bad_config_entries_are_named(tmp_path, entry, match):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"device": "X", "decode": {"buckets": [{"chunk_tokens": 64}, entry]}}))
+    with pytest.raises(ValueError, match=r"bad.json decode.buckets\[1\]: " + match):
+        decode_plan.load_config(path)
