@@ -68,7 +68,7 @@ def time_per_call(call: Callable[[int], object], sets: int, replays: int = 30, t
     graph.replay()
     torch.cuda.synchronize()
     times = []
-    for _ in range(replays):
+    for _ in range(min(replays, replays_for(eager_ms * calls))):
         start.record()
         graph.replay()
         end.record()
@@ -76,6 +76,11 @@ def time_per_call(call: Callable[[int], object], sets: int, replays: int = 30, t
         times.append(start.elapsed_time(end) / calls)
     del graph
     return statistics.median(times)
+
+
+def replays_for(ms_per_call: float) -> int:
+    """Fewer replays for long calls: about a second of timing per impl, at least 5 replays."""
+    return max(5, min(30, int(1000 / max(ms_per_call, 1e-3))))
 
 
 def commit_of_tree() -> str:

@@ -60,7 +60,8 @@ struct gemm_kernel {
     }
   }
 
-  __device__ static void compute(consumer_state& s, input_block& in, const globals&, const task_t&, int k, int wg) {
+  __device__ static void compute(consumer_state& s, input_block& in, scratch_block&, const globals&, const task_t&, int k,
+                                int wg) {
     const auto a = in.a.template row_block<64>(wg);
     if constexpr (BIsNK) {
       if (k == 0) warpgroup::mm_ABt(s.acc, a, in.b);

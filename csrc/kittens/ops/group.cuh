@@ -118,13 +118,15 @@ struct group {
       elem(dst.data[i][j][k], e) = convert<typename RT::dtype>(v);
     });
   }
+  // Rows at or past row_limit (e.g. the end of a packed sequence) are not written either.
   template <typename GL, register_tile RT>
-  __device__ static __forceinline__ void store(const GL& dst, const RT& src, coord c) {
+  __device__ static __forceinline__ void store(const GL& dst, const RT& src, coord c, long row_limit = 1L << 62) {
     using F = frag<typename RT::layout>;
     const int row0 = c.row + warp() * RT::rows;
+    const long rows = dst.rows() < row_limit ? dst.rows() : row_limit;
     for_each_element<RT>([&](int i, int j, int k, int e) {
       const int r = row0 + 16 * i + F::row(k, e), col = c.col + 16 * j + F::col(k, e);
-      if (r < dst.rows() && col < dst.cols())
+      if (r < rows && col < dst.cols())
         *dst.at({c.b, c.d, r, col}) = convert<typename GL::dtype>(convert<float>(elem(src.data[i][j][k], e)));
     });
   }

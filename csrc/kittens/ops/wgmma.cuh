@@ -37,12 +37,20 @@ template <int O, typename D> __device__ __forceinline__ float& acc(D& d) {
   else return d.data[0][O / 8][(O % 8) / 2].y;
 }
 
-// Let the compiler see accumulators as read and written here, so it keeps them out of wgmma's way.
+// Let the compiler see a register tile as read and written here: accumulators stay out of wgmma's way, and
+// a register A operand stays alive (unmodified) until the wgmma reading it has been waited for.
 template <typename D> __device__ __forceinline__ void fence_operand(D& d) {
 #pragma unroll
-  for (int j = 0; j < D::width; j++)
+  for (int i = 0; i < D::height; i++)
 #pragma unroll
-    for (int k = 0; k < 4; k++) asm volatile("" : "+f"(d.data[0][j][k].x), "+f"(d.data[0][j][k].y)::"memory");
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        if constexpr (std::is_same_v<typename D::dtype, float>)
+          asm volatile("" : "+f"(d.data[i][j][k].x), "+f"(d.data[i][j][k].y)::"memory");
+        else
+          asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&d.data[i][j][k]))::"memory");
+      }
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

@@ -12,9 +12,12 @@
 //     static int task_count(const globals&);                       // tasks in the work list
 //     static task_t task(const globals&, int id, int rank);        // id -> work item (tile order lives here)
 //     static void load(input_block&, const globals&, const task_t&, int iter, semaphore& full);  // 1 thread
-//     static void compute(consumer_state&, input_block&, const globals&, const task_t&, int iter, int consumer);
+//     static void compute(consumer_state&, input_block&, scratch_block&, const globals&, const task_t&, int iter,
+//                         int consumer);
 //     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
 //   };
+//   Optional: static void init_scratch(scratch_block&) (one thread, before the block starts; e.g. semaphores),
+//   static void init_state(consumer_state&) (each consumer, once; finish leaves the state ready for the next task).
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
 //   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
 //
@@ -70,6 +73,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       init_semaphore(full[s], 1);                                          // the producer's expect_bytes
       init_semaphore(empty[s], cluster * K::consumers * WARPGROUP_WARPS);  // every consumer warp of the cluster
     }
+    if constexpr (requires { K::init_scratch(smem.scratch); }) K::init_scratch(smem.scratch);
     fence_semaphore_init();
   }
   if constexpr (cluster > 1) cluster_sync();
@@ -96,6 +100,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   } else {  // consumer `role`
     warpgroup::increase_registers<consumer_registers<K>>();
     typename K::consumer_state state;
+    if constexpr (requires { K::init_state(state); }) K::init_state(state);
     int stage = 0, phase = 0;
     auto release = [&](int s) {
       if (laneid() == 0) {
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       int previous = -1;
       for (int it = 0; it < t.iters; it++) {
         wait(full[stage], phase);
-        K::compute(state, smem.ring[stage], g, t, it, role);
+        K::compute(state, smem.ring[stage], smem.scratch, g, t, it, role);
         warpgroup::mma_async_wait<1>();  // the previous stage's matrix products are done with it
         if (previous >= 0) release(previous);
         previous = stage;

@@ -1,0 +1,263 @@
+// Attention prefill on kittens (varlen, causal, sliding window, softcap, GQA, paged K/V).
+//
+// A task is (sequence, query head, 128-row query block); tasks run longest-first on a persistent grid. The
+// producer warpgroup streams K and V tiles through a TMA ring: one box per tile for packed K/V, one box
+// per 16-row page piece for paged caches (16 divides every supported block size). Each consumer warpgroup
+// owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
+// (masks only on tiles that need them), then O += P V with P straight from registers; that product
+// runs while the next tile's S is issued.
+#include <cfloat>
+#include "../kittens/kittens.cuh"
+#include "attention.h"
+
+using namespace kittens;
+
+namespace {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+template <typename T, int D>
+struct attn_prefill {
+  static constexpr int consumers = 2, QROWS = 64, BQ = consumers * QROWS;
+  static constexpr int KV = D == 256 ? 64 : 128;
+  static constexpr int stages = D == 64 ? 4 : 2;
+  static constexpr int PAGE_PIECE = 16;
+  using q_tile = st<T, QROWS, D>;
+  using kv_tile = st<T, KV, D>;
+  using page_piece = st<T, PAGE_PIECE, D>;
+  using tokens_gl = gl<T, 1, RUNTIME, RUNTIME, D, q_tile>;   // (1, heads, tokens, D)
+  using kv_gl = gl<T, 1, RUNTIME, RUNTIME, D, kv_tile>;      // (1, heads, tokens, D)
+  using pages_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, D, page_piece>;  // (blocks, heads, block_size, D)
+
+  struct globals {
+    tokens_gl q, o;
+    kv_gl k, v;
+    pages_gl k_pages, v_pages;
+    float* lse;
+    long lse_stride;
+    const int *cu_q, *cu_k, *seqused_k, *block_table;
+    long bt_stride;
+    int batch, hq, group, q_blocks, block_size, paged, causal, window_left, window_right;
+    float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
+  };
+  struct input_block { kv_tile k, v; };
+  struct scratch_block {
+    q_tile q[consumers];  // this task's queries; the output is staged here on the way out
+    semaphore q_ready[consumers];
+  };
+  using s_tile = rt_fl<16, KV>;
+  using row_vec = typename s_tile::per_row;
+  struct consumer_state {
+    rt_fl<16, D> o;
+    rt<T, 16, KV> p;
+    row_vec m, l;  // running max (log2 domain) and sum
+    int q_phase;
+  };
+  struct task_t {
+    int b, h, qb, q0, lq, k0, lk, first, iters;
+    bool valid;
+  };
+
+  __device__ static void init_scratch(scratch_block& s) {
+    for (int c = 0; c < consumers; c++) init_semaphore(s.q_ready[c], 1);
+  }
+
+  // Accumulators start each task empty; finish puts them back (no non-wgmma writes to them mid-pipeline).
+  __device__ static void reset_accumulators(consumer_state& s) {
+    zero(s.o);
+    fill(s.m, -INFINITY);
+    zero(s.l);
+  }
+  __device__ static void init_state(consumer_state& s) {
+    reset_accumulators(s);
+    s.q_phase = 0;
+  }
+
+  __device__ static int task_count(const globals& g) { return g.q_blocks * g.batch * g.hq; }
+  __device__ static task_t task(const globals& g, int id, int) {
+    task_t t;
+    const int heads = g.batch * g.hq;
+    t.qb = g.q_blocks - 1 - id / heads;  // the latest query blocks see the most keys: start them first
+    t.b = (id % heads) / g.hq;
+    t.h = id % g.hq;
+    t.q0 = g.cu_q[t.b];
+    t.lq = g.cu_q[t.b + 1] - t.q0;
+    t.lk = g.seqused_k ? g.seqused_k[t.b] : g.cu_k[t.b + 1] - g.cu_k[t.b];
+    t.k0 = g.paged ? 0 : g.cu_k[t.b];
+    t.valid = t.qb * BQ < t.lq;
+    const int offset = t.lk - t.lq;  // bottom-right alignment
+    const int row_lo = t.qb * BQ, row_hi = min(t.lq, row_lo + BQ) - 1;
+    int begin = 0, end = t.lk;
+    if (g.window_left >= 0) begin = max(0, row_lo + offset - g.window_left);
+    if (g.causal) end = min(end, row_hi + offset + 1);
+    if (g.window_right >= 0) end = min(end, row_hi + offset + g.window_right + 1);
+    t.first = begin / KV;
+    t.iters = (t.valid && end > begin) ? ceil_div(end, KV) - t.first : 0;
+    return t;
+  }
+
+  __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
+    const int row = (t.first + it) * KV, kv_head = t.h / g.group;
+    expect_bytes(full, 2 * tma::bytes<kv_tile>());
+    if (!g.paged) {
+      tma::load_async(in.k, g.k, {.d = kv_head, .row = t.k0 + row}, full);
+      tma::load_async(in.v, g.v, {.d = kv_head, .row = t.k0 + row}, full);
+      return;
+    }
+    const int last_piece = (t.lk - 1) / PAGE_PIECE * PAGE_PIECE;  // pieces past the end re-read the last one
+#pragma unroll
+    for (int s = 0; s < KV / PAGE_PIECE; s++) {
+      const int token = min(row + s * PAGE_PIECE, last_piece);
+      const int page = g.block_table[t.b * g.bt_stride + token / g.block_size];
+      const coord at{.b = page, .d = kv_head, .row = token % g.block_size};
+      tma::load_async(in.k.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
+      tma::load_async(in.v.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
+    }
+  }
+
+  __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
+                                 const task_t& t, int it, int wg) {
+    if (it == 0) {  // this task's queries
+      if (warpgroup::thread() == 0) {
+        tma::store_wait_read<0>();  // the previous task's output has left the buffer
+        expect_bytes(scratch.q_ready[wg], tma::bytes<q_tile>());
+        tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + wg * QROWS}, scratch.q_ready[wg]);
+      }
+      wait(scratch.q_ready[wg], s.q_phase);
+      s.q_phase ^= 1;
+    }
+    s_tile att;
+    warpgroup::mm_ABt(att, scratch.q[wg], in.k);
+    warpgroup::mma_async_wait<0>();  // also retires the previous tile's P V
+    wgmma::fence_operand(s.p);       // ... so p may be overwritten from here on
+
+    if (g.softcap > 0.f) {
+      const float pre = g.scale_log2 / LOG2E / g.softcap, post = g.softcap * LOG2E;
+      map(att, att, [pre, post](float x) { return post * tanhf(x * pre); });
+    } else {
+      mul(att, att, g.scale_log2);
+    }
+    const int row0 = t.qb * BQ + wg * QROWS + warpgroup::warp() * 16, col0 = (t.first + it) * KV;
+    const int offset = t.lk - t.lq, left = g.window_left, right = g.window_right;
+    const bool causal = g.causal;
+    const bool partial = col0 + KV > t.lk || (causal && col0 + KV - 1 > row0 + offset) ||
+                         (left >= 0 && col0 < row0 + 15 + offset - left) ||
+                         (right >= 0 && col0 + KV - 1 > row0 + offset + right);
+    if (partial) {
+      const int lk = t.lk;
+      mask(att, att, row0, col0, [=](int r, int c) {
+        return c < lk && (!causal || c <= r + offset) && (left < 0 || c >= r + offset - left) &&
+               (right < 0 || c <= r + offset + right);
+      }, -INFINITY);
+    }
+
+    row_vec m_new, base, rescale, sum;
+    row_max(m_new, att, s.m);
+    map(base, m_new, [](float m) { return m == -INFINITY ? 0.f : m; });  // a fully masked row so far
+    sub(rescale, s.m, base);
+    exp2(rescale, rescale);
+    sub_row(att, att, base);
+    exp2(att, att);
+    row_sum(sum, att);
+    mul(s.l, s.l, rescale);
+    add(s.l, s.l, sum);
+    copy(s.m, m_new);
+    mul_row(s.o, s.o, rescale);
+    copy(s.p, att);
+    warpgroup::mma_AB(s.o, s.p, in.v);  // left in flight: retired by the next tile's wait or the task's end
+    wgmma::fence_operand(s.p);
+  }
+
+  __device__ static void finish(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t, int wg) {
+    wgmma::fence_operand(s.p);
+    const int r0 = t.qb * BQ + wg * QROWS;
+    if (t.valid && r0 < t.lq) write_output(s, scratch, g, t, wg, r0);  // no visible key: out 0, lse -inf
+    reset_accumulators(s);
+  }
+
+  __device__ static void write_output(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t,
+                                      int wg, int r0) {
+    row_vec inv, lse;
+    map(inv, s.l, [](float l) { return l > 0.f ? 1.f / l : 0.f; });
+    mul_row(s.o, s.o, inv);
+    map(lse, s.m, s.l, [](float m, float l) { return l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY; });
+    // lse: lanes 0, 4, ... hold rows g and g + 8 of each warp's 16
+    if (laneid() % 4 == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const int row = r0 + warpgroup::warp() * 16 + laneid() / 4 + 8 * half;
+        if (row < t.lq) g.lse[t.h * g.lse_stride + t.q0 + row] = lse.data[0][half];
+      }
+    }
+    if (r0 + QROWS <= t.lq) {  // a whole tile: through shared memory and one TMA store
+      warpgroup::store(scratch.q[wg].ref(), s.o);
+      fence_async_shared();
+      warpgroup::sync(1 + wg);
+      if (warpgroup::thread() == 0) {
+        tma::store_async(g.o, scratch.q[wg], {.d = t.h, .row = t.q0 + r0});
+        tma::store_commit_group();
+      }
+    } else {  // the sequence ends inside this tile: write its rows only
+      warpgroup::store(g.o, s.o, {.d = t.h, .row = t.q0 + r0}, long(t.q0) + t.lq);
+    }
+  }
+};
+
+template <typename T, int D>
+void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
+  using K = attn_prefill<T, D>;
+  auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
+  const bool paged = p.block_table != nullptr;
+  typename K::globals g{};
+  g.q = {ptr(p.q), {1, p.hq, p.total_q, D}, {0, p.q_head_stride, p.q_token_stride, 1}};
+  g.o = {ptr(p.o), {1, p.hq, p.total_q, D}, {0, p.o_head_stride, p.o_token_stride, 1}};
+  if (paged) {
+    g.k_pages = {ptr(p.k), {p.num_blocks, p.hkv, p.block_size, D}, {p.k_strides[0], p.k_strides[2], p.k_strides[1], 1}};
+    g.v_pages = {ptr(p.v), {p.num_blocks, p.hkv, p.block_size, D}, {p.v_strides[0], p.v_strides[2], p.v_strides[1], 1}};
+  } else {
+    g.k = {ptr(p.k), {1, p.hkv, p.total_k, D}, {0, p.k_strides[1], p.k_strides[0], 1}};
+    g.v = {ptr(p.v), {1, p.hkv, p.total_k, D}, {0, p.v_strides[1], p.v_strides[0], 1}};
+  }
+  g.lse = p.lse;
+  g.lse_stride = p.lse_stride;
+  g.cu_q = p.cu_seqlens_q;
+  g.cu_k = p.cu_seqlens_k;
+  g.seqused_k = p.seqused_k;
+  g.block_table = p.block_table;
+  g.bt_stride = p.bt_stride;
+  g.batch = p.batch;
+  g.hq = p.hq;
+  g.group = p.hq / p.hkv;
+  g.q_blocks = ceil_div(p.max_seqlen_q, K::BQ);
+  g.block_size = p.block_size;
+  g.paged = paged;
+  g.causal = p.causal;
+  g.window_left = p.window_left;
+  g.window_right = p.window_right;
+  g.scale_log2 = p.softmax_scale * LOG2E;
+  g.softcap = p.softcap;
+  const long tasks = long(g.q_blocks) * p.batch * p.hq;
+  lcsf::launch<K>(g, int(std::min<long>(tasks, num_sms)), stream);
+}
+
+template <typename T>
+void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return run<T, 64>(p, num_sms, stream);
+    case 128: return run<T, 128>(p, num_sms, stream);
+    case 256: return run<T, 256>(p, num_sms, stream);
+  }
+}
+
+}  // namespace
+
+namespace tk {
+
+void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
+  if (p.max_seqlen_q <= 0 || p.batch <= 0) return;
+  if (p.type == dtype::bf16) run_dtype<bf16>(p, num_sms, stream);
+  else run_dtype<half>(p, num_sms, stream);
+}
+
+}  // namespace tk

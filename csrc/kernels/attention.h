@@ -1,0 +1,35 @@
+// Attention launch interfaces (host): varlen / paged prefill.
+#pragma once
+#include <cuda_runtime.h>
+#include "gemm.h"  // tk::dtype
+
+namespace tk {
+
+// Strides are in elements. q / o are [tokens, heads, head_dim]; k / v are either [tokens, heads, head_dim]
+// (dense) or pages [num_blocks, block_size, heads, head_dim] (paged) with any strides but a unit last one.
+struct attn_varlen_problem {
+  dtype type;
+  int head_dim;
+  const void* q;
+  long q_token_stride, q_head_stride;
+  const void* k;
+  const void* v;
+  long k_strides[3], v_strides[3];  // dense: token, head, -; paged: block, token-in-block, head
+  void* o;
+  long o_token_stride, o_head_stride;
+  float* lse;  // [hq, total_q], row stride lse_stride
+  long lse_stride;
+  const int* cu_seqlens_q;  // [batch + 1]
+  const int* cu_seqlens_k;  // [batch + 1] or null (then seqused_k)
+  const int* seqused_k;     // [batch] or null
+  const int* block_table;   // [batch, bt_stride] or null (dense)
+  long bt_stride;
+  int batch, hq, hkv, total_q, total_k, num_blocks, block_size, max_seqlen_q;
+  bool causal;
+  int window_left, window_right;  // -1: unbounded
+  float softmax_scale, softcap;   // softcap 0: off
+};
+
+void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream);
+
+}  // namespace tk

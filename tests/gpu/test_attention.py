@@ -1,0 +1,124 @@
+"""Attention prefill against the float32 reference: dense and varlen, GQA, causal, windows, softcap, paged."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tk_backend
+from tk_backend import reference
+from tests.accuracy import assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+def _lengths(rng: random.Random, batch: int, low: int, high: int) -> list[int]:
+    return [rng.randint(low, high) for _ in range(batch)]
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+
+
+def _check(out, lse, ref_out, ref_lse, what):
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=f"{what} out")
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finiteness differs from the reference"
+    assert_close(lse[finite], ref_lse[finite], rel=1e-3, atol=1e-3, what=f"{what} lse")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_varlen(d, causal, group, seed):
+    rng = random.Random(seed)
+    hkv = 2
+    hq = hkv * group
+    lq = _lengths(rng, 5, 1, 700)
+    lk = [q + rng.randint(0, 300) for q in lq] if rng.random() < 0.5 else lq
+    q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, out=out,
+                                               return_softmax_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu_q, cu_k, causal=causal)
+    _check(out, lse, ref_out, ref_lse, f"varlen d={d} causal={causal} group={group} lq={lq} lk={lk} seed={seed}")
+
+
+@pytest.mark.parametrize("window,softcap", [((64, 0), 0.0), ((100, 37), 0.0), ((-1, -1), 30.0), ((256, -1), 5.0)])
+def test_window_softcap(window, softcap, seed):
+    rng = random.Random(seed)
+    lq = _lengths(rng, 3, 50, 600)
+    q = torch.randn(sum(lq), 8, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(sum(lq), 2, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn(sum(lq), 2, 128, device="cuda", dtype=torch.float16)
+    cu = _cu(lq)
+    out, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu, cu, max(lq), max(lq), window_size=window,
+                                                 softcap=softcap, return_softmax_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu, cu, window_size=window, softcap=softcap)
+    _check(out, lse, ref_out, ref_lse, f"window={window} softcap={softcap} seed={seed}")
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("combined", [False, True])
+def test_paged(block_size, combined, seed):
+    """Chunked prefill over a prefix cache: new queries attend to cached + new keys through shuffled pages."""
+    rng = random.Random(seed)
+    d, hkv, hq = 128, 4, 16
+    new = _lengths(rng, 4, 1, 300)
+    ctx = [n + rng.randint(0, 900) for n in new]
+    max_blocks = max(-(-c // block_size) for c in ctx) + 1
+    num_blocks = len(ctx) * max_blocks + 7
+    if combined:  # vLLM's layout: K and V are the two halves of the last dim of one tensor
+        kv = torch.randn(num_blocks, block_size, hkv, 2 * d, device="cuda", dtype=torch.bfloat16)
+        k_cache, v_cache = kv[..., :d], kv[..., d:]
+    else:
+        k_cache = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn(num_blocks, block_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    block_table = perm[: len(ctx) * max_blocks].view(len(ctx), max_blocks).contiguous()
+    q = torch.randn(sum(new), hq, d, device="cuda", dtype=torch.bfloat16)
+    cu_q = _cu(new)
+    seqused = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max(new), max(ctx), causal=True,
+                                               block_table=block_table, seqused_k=seqused, out=out,
+                                               return_softmax_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k_cache, v_cache, cu_q, None, causal=True, block_table=block_table,
+                                           seqused_k=seqused)
+    _check(out, lse, ref_out, ref_lse, f"paged bs={block_size} combined={combined} new={new} ctx={ctx} seed={seed}")
+
+
+def test_dense_batched(seed):
+    q = torch.randn(2, 1000, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 1000, 8, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 1000, 8, 64, device="cuda", dtype=torch.bfloat16)
+    out = tk_backend.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    ref = reference.attention_dense(q, k, v, causal=True)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"dense seed={seed}")
+
+
+def test_graph_capture(seed):
+    lq = [300, 5, 129]
+    q = torch.randn(sum(lq), 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cu = _cu(lq)
+    out = torch.empty_like(q)
+    tk_backend.flash_attn_varlen_func(q, k, v, cu, cu, 512, 512, causal=True, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tk_backend.flash_attn_varlen_func(q, k, v, cu, cu, 512, 512, causal=True, out=out)
+    q.copy_(torch.randn_like(q))
+    cu.copy_(_cu([200, 100, 134]))  # same total, new boundaries
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = reference.attention(q, k, v, cu, cu, causal=True)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what="graph replay")
