@@ -4,8 +4,8 @@
 // producer warpgroup streams K and V tiles through a TMA ring: one box per tile for packed K/V, one box
 // per 16-row page piece for paged caches (16 divides every supported block size). Each consumer warpgroup
 // owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
-// (masks only on tiles that need them), then O += P V with P straight from registers; that product
-// runs while the next tile's S is issued.
+// (masks only on tiles that need them), then O += P V with P straight from registers. The two consumers
+// take turns on the tensor cores (ping-pong), and each overlaps its softmax with its previous P V.
 #include <cfloat>
 #include "../kittens/kittens.cuh"
 #include "attention.h"
@@ -50,29 +50,35 @@ struct attn_prefill {
   using row_vec = typename s_tile::per_row;
   struct consumer_state {
     rt_fl<16, D> o;
-    rt<T, 16, KV> p;
-    row_vec m, l;  // running max (log2 domain) and sum
+    rt<T, 16, KV> p;        // the previous tile's probabilities, waiting for their P V
+    row_vec m, l;           // running row max (score units) and row sum
+    const kv_tile* v_prev;  // that tile's V: its stage stays held until the current compute returns
     int q_phase;
   };
   struct task_t {
     int b, h, qb, q0, lq, k0, lk, first, iters;
     bool valid;
   };
+  // The two consumers take turns issuing their matrix products (barriers TURN + consumer), so one's
+  // softmax runs while the other's products keep the tensor cores busy.
+  static constexpr int TURN = 3, BOTH = 2 * WARPGROUP_THREADS;
 
   __device__ static void init_scratch(scratch_block& s) {
     for (int c = 0; c < consumers; c++) init_semaphore(s.q_ready[c], 1);
   }
-
   // Accumulators start each task empty; finish puts them back (no non-wgmma writes to them mid-pipeline).
   __device__ static void reset_accumulators(consumer_state& s) {
     zero(s.o);
     fill(s.m, -INFINITY);
     zero(s.l);
   }
-  __device__ static void init_state(consumer_state& s) {
+  __device__ static void init_state(consumer_state& s, int wg) {
     reset_accumulators(s);
     s.q_phase = 0;
+    s.v_prev = nullptr;
+    if (wg == 1) warpgroup::arrive_at(TURN + 0, BOTH);  // consumer 0 goes first
   }
+  __device__ static float exp_scale(const globals& g) { return g.softcap > 0.f ? LOG2E : g.scale_log2; }
 
   __device__ static int task_count(const globals& g) { return g.q_blocks * g.batch * g.hq; }
   __device__ static task_t task(const globals& g, int id, int) {
@@ -116,6 +122,8 @@ struct attn_prefill {
     }
   }
 
+  // Tile j: S_j = Q K_j^T and the previous tile's O += P_{j-1} V_{j-1} are issued together in this
+  // consumer's turn; the softmax of S_j then runs while P_{j-1} V_{j-1} (and the other consumer) compute.
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int wg) {
     if (it == 0) {  // this task's queries
@@ -128,44 +136,50 @@ struct attn_prefill {
       s.q_phase ^= 1;
     }
     s_tile att;
+    warpgroup::sync_with(TURN + wg, BOTH);
     warpgroup::mm_ABt(att, scratch.q[wg], in.k);
-    warpgroup::mma_async_wait<0>();  // also retires the previous tile's P V
-    wgmma::fence_operand(s.p);       // ... so p may be overwritten from here on
+    if (it > 0) warpgroup::mma_AB(s.o, s.p, *s.v_prev);
+    warpgroup::arrive_at(TURN + (1 - wg), BOTH);
+    warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
 
     if (g.softcap > 0.f) {
-      const float pre = g.scale_log2 / LOG2E / g.softcap, post = g.softcap * LOG2E;
-      map(att, att, [pre, post](float x) { return post * tanhf(x * pre); });
-    } else {
-      mul(att, att, g.scale_log2);
+      const float pre = g.scale_log2 / LOG2E / g.softcap, cap = g.softcap;
+      map(att, att, [pre, cap](float x) { return cap * tanhf(x * pre); });
     }
     const int row0 = t.qb * BQ + wg * QROWS + warpgroup::warp() * 16, col0 = (t.first + it) * KV;
-    const int offset = t.lk - t.lq, left = g.window_left, right = g.window_right;
+    const int offset = t.lk - t.lq, left = g.window_left, right = g.window_right, lk = t.lk;
     const bool causal = g.causal;
-    const bool partial = col0 + KV > t.lk || (causal && col0 + KV - 1 > row0 + offset) ||
+    const bool partial = col0 + KV > lk || (causal && col0 + KV - 1 > row0 + offset) ||
                          (left >= 0 && col0 < row0 + 15 + offset - left) ||
                          (right >= 0 && col0 + KV - 1 > row0 + offset + right);
     if (partial) {
-      const int lk = t.lk;
       mask(att, att, row0, col0, [=](int r, int c) {
         return c < lk && (!causal || c <= r + offset) && (left < 0 || c >= r + offset - left) &&
                (right < 0 || c <= r + offset + right);
       }, -INFINITY);
     }
 
+    const float es = exp_scale(g);
     row_vec m_new, base, rescale, sum;
     row_max(m_new, att, s.m);
-    map(base, m_new, [](float m) { return m == -INFINITY ? 0.f : m; });  // a fully masked row so far
-    sub(rescale, s.m, base);
-    exp2(rescale, rescale);
-    sub_row(att, att, base);
-    exp2(att, att);
+    map(base, m_new, [es](float m) { return m == -INFINITY ? 0.f : m * es; });  // a row masked so far: 0
+    map(rescale, s.m, base, [es](float m, float b) { return fast_exp2(m * es - b); });
+    map_row(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
     row_sum(sum, att);
-    mul(s.l, s.l, rescale);
+    map(s.l, s.l, rescale, [](float l, float r) { return l * r; });
     add(s.l, s.l, sum);
     copy(s.m, m_new);
+
+    warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: o and p are free
+    wgmma::fence_operand(s.p);
     mul_row(s.o, s.o, rescale);
     copy(s.p, att);
-    warpgroup::mma_AB(s.o, s.p, in.v);  // left in flight: retired by the next tile's wait or the task's end
+    s.v_prev = &in.v;
+  }
+
+  // The last tile's P V, issued while its stage is still held.
+  __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t&, int) {
+    warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);
   }
 
@@ -181,7 +195,8 @@ struct attn_prefill {
     row_vec inv, lse;
     map(inv, s.l, [](float l) { return l > 0.f ? 1.f / l : 0.f; });
     mul_row(s.o, s.o, inv);
-    map(lse, s.m, s.l, [](float m, float l) { return l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY; });
+    const float es = exp_scale(g);
+    map(lse, s.m, s.l, [es](float m, float l) { return l > 0.f ? (m * es + log2f(l)) * LN2 : -INFINITY; });
     // lse: lanes 0, 4, ... hold rows g and g + 8 of each warp's 16
     if (laneid() % 4 == 0) {
 #pragma unroll

@@ -23,6 +23,15 @@ struct group {
     else asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(threads) : "memory");
   }
 
+  // Named barrier `id` shared by `count` threads (several groups): sync waits, arrive only signals.
+  // Two warpgroups taking turns on the tensor cores use a pair of these (see the attention kernel).
+  __device__ static __forceinline__ void sync_with(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+  }
+  __device__ static __forceinline__ void arrive_at(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+  }
+
   // ---- registers <-> shared ------------------------------------------------------------------------
   // Each warp moves its row block: dst rows = src rows / NW.
   // 16-bit tiles move a 16x16 fragment per ldmatrix/stmatrix.x4 (the col layout through .trans); other

@@ -15,6 +15,13 @@ struct max { __device__ static float apply(float a, float b) { return fmaxf(a, b
 struct min { __device__ static float apply(float a, float b) { return fminf(a, b); } static constexpr float identity = INFINITY; };
 }  // namespace op
 
+// 2^x on the special-function unit (ex2.approx.ftz: ~2 ulp, denormals flushed; 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- element-wise --------------------------------------------------------------------------------
 // dst = f(src) element by element, in fp32, then converted to dst's type.
 template <register_tile D, register_tile S, typename F>
@@ -52,7 +59,7 @@ template <register_tile D> __device__ __forceinline__ void zero(D& dst) { fill(d
 // Type conversion (e.g. fp32 accumulators to a bf16 wgmma A operand: same fragment layout).
 template <register_tile D, register_tile S> __device__ __forceinline__ void copy(D& dst, const S& src) { map(dst, src, [](float x) { return x; }); }
 
-template <register_tile D, register_tile S> __device__ __forceinline__ void exp2(D& d, const S& s) { map(d, s, [](float x) { return exp2f(x); }); }
+template <register_tile D, register_tile S> __device__ __forceinline__ void exp2(D& d, const S& s) { map(d, s, [](float x) { return fast_exp2(x); }); }
 template <register_tile D, register_tile S> __device__ __forceinline__ void exp(D& d, const S& s) { map(d, s, [](float x) { return __expf(x); }); }
 template <register_tile D, register_tile S> __device__ __forceinline__ void log(D& d, const S& s) { map(d, s, [](float x) { return __logf(x); }); }
 template <register_tile D, register_tile S> __device__ __forceinline__ void abs(D& d, const S& s) { map(d, s, [](float x) { return fabsf(x); }); }
@@ -87,7 +94,7 @@ template <register_vector V, typename F> __device__ __forceinline__ void map(V& 
 }
 template <register_vector V> __device__ __forceinline__ void fill(V& v, float x) { map(v, v, [x](float) { return x; }); }
 template <register_vector V> __device__ __forceinline__ void zero(V& v) { fill(v, 0.f); }
-template <register_vector V> __device__ __forceinline__ void exp2(V& d, const V& s) { map(d, s, [](float x) { return exp2f(x); }); }
+template <register_vector V> __device__ __forceinline__ void exp2(V& d, const V& s) { map(d, s, [](float x) { return fast_exp2(x); }); }
 template <register_vector V> __device__ __forceinline__ void add(V& d, const V& a, const V& b) { map(d, a, b, [](float x, float y) { return x + y; }); }
 template <register_vector V> __device__ __forceinline__ void sub(V& d, const V& a, const V& b) { map(d, a, b, [](float x, float y) { return x - y; }); }
 template <register_vector V> __device__ __forceinline__ void mul(V& d, const V& a, const V& b) { map(d, a, b, [](float x, float y) { return x * y; }); }
@@ -167,6 +174,12 @@ TK_REDUCTION(col_max, false, op::max)
 TK_REDUCTION(col_min, false, op::min)
 TK_REDUCTION(col_sum, false, op::add)
 #undef TK_REDUCTION
+
+// dst = f(src, v[row]) / f(src, v[col]): any fused per-row or per-column update in one pass.
+template <register_tile D, register_tile S, register_vector V, typename F>
+__device__ __forceinline__ void map_row(D& dst, const S& src, const V& v, F f) { detail::broadcast<true>(dst, src, v, f); }
+template <register_tile D, register_tile S, register_vector V, typename F>
+__device__ __forceinline__ void map_col(D& dst, const S& src, const V& v, F f) { detail::broadcast<false>(dst, src, v, f); }
 
 #define TK_BROADCAST(name, along_rows, expr)                                                          \
   template <register_tile D, register_tile S, register_vector V>                                      \

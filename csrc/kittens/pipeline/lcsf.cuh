@@ -17,7 +17,10 @@
 //     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
 //   };
 //   Optional: static void init_scratch(scratch_block&) (one thread, before the block starts; e.g. semaphores),
-//   static void init_state(consumer_state&) (each consumer, once; finish leaves the state ready for the next task).
+//   static void init_state(consumer_state&, int consumer) (once; finish leaves the state ready for the next task),
+//   static void drain(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer) (after a
+//   task's last compute, while its last stage is still held: for kernels that issue a stage's last product
+//   one step late).
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
 //   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
 //
@@ -100,7 +103,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   } else {  // consumer `role`
     warpgroup::increase_registers<consumer_registers<K>>();
     typename K::consumer_state state;
-    if constexpr (requires { K::init_state(state); }) K::init_state(state);
+    if constexpr (requires { K::init_state(state, role); }) K::init_state(state, role);
     int stage = 0, phase = 0;
     auto release = [&](int s) {
       if (laneid() == 0) {
@@ -123,6 +126,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         previous = stage;
         if (++stage == K::stages) stage = 0, phase ^= 1;
       }
+      if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
+        if (t.iters > 0) K::drain(state, smem.scratch, g, t, role);
       warpgroup::mma_async_wait<0>();
       if (previous >= 0) release(previous);
       K::finish(state, smem.scratch, g, t, role);
