@@ -52,6 +52,7 @@ struct attn_prefill {
     rt_fl<16, D> o;
     rt<T, 16, KV> p;        // the previous tile's probabilities, waiting for their P V
     row_vec m, l;           // running row max (score units) and row sum
+    row_vec rescale;        // factor o must take before the previous tile's P V is added
     const kv_tile* v_prev;  // that tile's V: its stage stays held until the current compute returns
     int q_phase;
   };
@@ -126,22 +127,44 @@ struct attn_prefill {
   // consumer's turn; the softmax of S_j then runs while P_{j-1} V_{j-1} (and the other consumer) compute.
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int wg) {
-    if (it == 0) {  // this task's queries
-      if (warpgroup::thread() == 0) {
-        tma::store_wait_read<0>();  // the previous task's output has left the buffer
-        expect_bytes(scratch.q_ready[wg], tma::bytes<q_tile>());
-        tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + wg * QROWS}, scratch.q_ready[wg]);
-      }
-      wait(scratch.q_ready[wg], s.q_phase);
-      s.q_phase ^= 1;
-    }
     s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
     warpgroup::mm_ABt(att, scratch.q[wg], in.k);
-    if (it > 0) warpgroup::mma_AB(s.o, s.p, *s.v_prev);
+    mul_row(s.o, s.o, s.rescale);  // o is idle here: only S_j is in flight
+    warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::arrive_at(TURN + (1 - wg), BOTH);
     warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+    softmax(s, att, g, t, it, wg);
+    warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: p is free
+    wgmma::fence_operand(s.p);
+    copy(s.p, att);
+    s.v_prev = &in.v;
+  }
 
+  // A task's first tile: load the queries, then S_0 alone.
+  __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
+                                       const task_t& t, int wg) {
+    if (warpgroup::thread() == 0) {
+      tma::store_wait_read<0>();  // the previous task's output has left the buffer
+      expect_bytes(scratch.q_ready[wg], tma::bytes<q_tile>());
+      tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + wg * QROWS}, scratch.q_ready[wg]);
+    }
+    wait(scratch.q_ready[wg], s.q_phase);
+    s.q_phase ^= 1;
+    s_tile att;
+    warpgroup::sync_with(TURN + wg, BOTH);
+    warpgroup::mm_ABt(att, scratch.q[wg], in.k);
+    warpgroup::arrive_at(TURN + (1 - wg), BOTH);
+    warpgroup::mma_async_wait<0>();
+    softmax(s, att, g, t, 0, wg);
+    wgmma::fence_operand(s.p);
+    copy(s.p, att);
+    s.v_prev = &in.v;
+  }
+
+  // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
+  // running max and sum and leaves in s.rescale the factor the accumulated output must take.
+  __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
     if (g.softcap > 0.f) {
       const float pre = g.scale_log2 / LOG2E / g.softcap, cap = g.softcap;
       map(att, att, [pre, cap](float x) { return cap * tanhf(x * pre); });
@@ -158,27 +181,21 @@ struct attn_prefill {
                (right < 0 || c <= r + offset + right);
       }, -INFINITY);
     }
-
     const float es = exp_scale(g);
-    row_vec m_new, base, rescale, sum;
+    row_vec m_new, base, sum;
     row_max(m_new, att, s.m);
     map(base, m_new, [es](float m) { return m == -INFINITY ? 0.f : m * es; });  // a row masked so far: 0
-    map(rescale, s.m, base, [es](float m, float b) { return fast_exp2(m * es - b); });
+    map(s.rescale, s.m, base, [es](float m, float b) { return fast_exp2(m * es - b); });
     map_row(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
     row_sum(sum, att);
-    map(s.l, s.l, rescale, [](float l, float r) { return l * r; });
+    map(s.l, s.l, s.rescale, [](float l, float r) { return l * r; });
     add(s.l, s.l, sum);
     copy(s.m, m_new);
-
-    warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: o and p are free
-    wgmma::fence_operand(s.p);
-    mul_row(s.o, s.o, rescale);
-    copy(s.p, att);
-    s.v_prev = &in.v;
   }
 
   // The last tile's P V, issued while its stage is still held.
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t&, int) {
+    mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);
   }

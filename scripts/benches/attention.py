@@ -30,6 +30,20 @@ def _flops(lengths_q, lengths_k, heads, d, causal):
     return total
 
 
+def _measure(case: str, impls: dict, flops: int) -> list[Row]:
+    """Time each impl; a peer that cannot run the case is left out, and the reason printed."""
+    rows = []
+    for impl, call in impls.items():
+        try:
+            ms = time_per_call(call, 1)
+        except Exception as exc:  # noqa: BLE001 - any failure of a peer
+            print(f"  {case}: {impl} skipped ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+            continue
+        rows.append(Row("attn_prefill", case, impl, ms, tflops=flops / ms / 1e9))
+        print(f"  {case}: {impl} {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+    return rows
+
+
 def _dense_case(b, n, h, d, causal, hkv=None, name=None) -> list[Row]:
     hkv = hkv or h
     q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
@@ -48,15 +62,7 @@ def _dense_case(b, n, h, d, causal, hkv=None, name=None) -> list[Row]:
     fa3 = _fa3()
     if fa3 is not None:
         impls["fa3"] = lambda i: fa3.flash_attn_func(q, k, v, causal=causal)
-    rows = []
-    for impl, call in impls.items():
-        try:
-            ms = time_per_call(call, 1)
-        except Exception as exc:  # a peer that does not support the case is left out, and said so
-            print(f"  {case}: {impl} skipped ({type(exc).__name__}: {str(exc)[:120]})")
-            continue
-        rows.append(Row("attn_prefill", case, impl, ms, tflops=flops / ms / 1e9))
-    return rows
+    return _measure(case, impls, flops)
 
 
 def _varlen_case() -> list[Row]:
@@ -74,7 +80,7 @@ def _varlen_case() -> list[Row]:
     fa3 = _fa3()
     if fa3 is not None:
         impls["fa3"] = lambda i: fa3.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
-    return [Row("attn_prefill", case, n, ms := time_per_call(c, 1), tflops=flops / ms / 1e9) for n, c in impls.items()]
+    return _measure(case, impls, flops)
 
 
 def _paged_case() -> list[Row]:
@@ -92,11 +98,11 @@ def _paged_case() -> list[Row]:
     impls = {"tk": lambda i: tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, new, ctx, causal=True,
                                                                block_table=table, seqused_k=used, out=out)}
     fa3 = _fa3()
-    if fa3 is not None:
-        cu_k = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
-        impls["fa3"] = lambda i: fa3.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, new, ctx, causal=True,
-                                                             seqused_k=used, page_table=table)
-    return [Row("attn_prefill", case, n, ms := time_per_call(c, 1), tflops=flops / ms / 1e9) for n, c in impls.items()]
+    if fa3 is not None:  # FA3 reads pages through flash_attn_with_kvcache (its varlen entry has no page table)
+        q4 = q.view(1, new, hq, d)
+        impls["fa3"] = lambda i: fa3.flash_attn_with_kvcache(q4, k_cache, v_cache, cache_seqlens=used, page_table=table,
+                                                             causal=True)
+    return _measure(case, impls, flops)
 
 
 def run(quick: bool = False) -> list[Row]:

@@ -16,7 +16,9 @@
 //                         int consumer);
 //     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
 //   };
-//   Optional: static void init_scratch(scratch_block&) (one thread, before the block starts; e.g. semaphores),
+//   Optional: static void compute_first(consumer_state&, input_block&, scratch_block&, const globals&,
+//   const task_t&, int consumer) for a task's first stage (else compute(..., 0, ...)),
+//   static void init_scratch(scratch_block&) (one thread, before the block starts; e.g. semaphores),
 //   static void init_state(consumer_state&, int consumer) (once; finish leaves the state ready for the next task),
 //   static void drain(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer) (after a
 //   task's last compute, while its last stage is still held: for kernels that issue a stage's last product
@@ -115,14 +117,29 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         }
       }
     };
+    auto step_stage = [&](auto&& compute_it) {
+      wait(full[stage], phase);
+      compute_it();
+      warpgroup::mma_async_wait<1>();  // the previous stage's matrix products are done with it
+    };
     for (int id = first; id < num_tasks; id += step) {
       const typename K::task_t t = K::task(g, id, rank);
       int previous = -1;
-      for (int it = 0; it < t.iters; it++) {
-        wait(full[stage], phase);
-        K::compute(state, smem.ring[stage], smem.scratch, g, t, it, role);
-        warpgroup::mma_async_wait<1>();  // the previous stage's matrix products are done with it
-        if (previous >= 0) release(previous);
+      // The first stage is peeled off so that the steady-state body has no branch around its wgmma
+      // (the compiler cannot tell that `it` is uniform and would serialize the products otherwise).
+      if (t.iters > 0) {
+        step_stage([&] {
+          if constexpr (requires { K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role); })
+            K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role);
+          else
+            K::compute(state, smem.ring[stage], smem.scratch, g, t, 0, role);
+        });
+        previous = stage;
+        if (++stage == K::stages) stage = 0, phase ^= 1;
+      }
+      for (int it = 1; it < t.iters; it++) {
+        step_stage([&] { K::compute(state, smem.ring[stage], smem.scratch, g, t, it, role); });
+        release(previous);
         previous = stage;
         if (++stage == K::stages) stage = 0, phase ^= 1;
       }

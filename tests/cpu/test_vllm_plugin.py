@@ -1,0 +1,598 @@
+"""The vLLM plugin on CPU: registration and name resolution (fork, spawn, CLI), validation hooks, the KV cache
+views, metadata building and, with the float32 references standing in for the kernels, the forward pass of a
+simulated serving run (prefill, chunked prefill over a cached prefix, decode, speculative verification,
+CUDA-graph padding) and its head slicing under tensor parallelism.
+
+Runs against whichever vLLM is installed (scripts/install_cpu_vllm.sh installs 0.33.0 without its GPU
+libraries); skipped when vLLM is not importable.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install_cpu_vllm.sh installs it)")
+
+from vllm.config import AttentionConfig  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+import tk_backend.vllm as tk_vllm  # noqa: E402
+from tk_backend import attention, reference  # noqa: E402
+from tk_backend.vllm import backend as tk_vllm_backend  # noqa: E402
+from tk_backend.vllm import compat  # noqa: E402
+from tk_backend.vllm.backend import TKAttentionBackend, TKAttentionImpl, kv_cache_views  # noqa: E402
+from tk_backend.vllm.metadata import TKAttentionMetadataBuilder, uniform_decode_shape  # noqa: E402
+
+CPU_ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def _run_python(code: str, stdin: bytes = b"", env: dict | None = None) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, env=env or CPU_ENV,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    return proc.stdout.decode()
+
+
+# ------------------------------------------------------------------------------------------ registration
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    values = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert values.get("tk_backend") == "tk_backend.vllm:register"
+
+
+def test_register_is_idempotent_and_makes_tk_an_alias_of_custom():
+    AttentionBackendEnum.CUSTOM.clear_override()
+    tk_vllm.register()
+    tk_vllm.register()
+    assert AttentionBackendEnum["TK"] is AttentionBackendEnum.CUSTOM
+    assert AttentionBackendEnum.CUSTOM.get_class() is TKAttentionBackend
+    assert TKAttentionBackend.get_name() == "TK"
+    # The alias adds a name, not a member: iteration and pickling see only CUSTOM.
+    assert [m.name for m in AttentionBackendEnum].count("CUSTOM") == 1
+    assert "TK" not in [m.name for m in AttentionBackendEnum]
+    assert pickle.loads(pickle.dumps(AttentionBackendEnum["TK"])) is AttentionBackendEnum.CUSTOM
+
+
+@pytest.mark.parametrize("name", ["TK", "tk", "CUSTOM", "custom"])
+def test_attention_config_names_select_the_tk_backend(name):
+    config = AttentionConfig(backend=name)
+    assert config.backend is AttentionBackendEnum.CUSTOM
+    assert config.backend.get_class() is TKAttentionBackend
+    # What EngineArgs does with LLM(..., attention_backend=name) and --attention-backend name.
+    assert AttentionConfig.validate_backend_before(name) is AttentionBackendEnum.CUSTOM
+
+
+def test_cli_flag_resolves_in_a_fresh_process_through_the_entry_point():
+    # No tk_backend import here: vLLM's parser loads general plugins, which is what makes "TK" known.
+    out = _run_python(
+        # The parser's defaults need a platform; vLLM 0.26 cannot be told it is on a CPU, so set one.
+        "import vllm.platforms as platforms\n"
+        "from vllm.platforms.cpu import CpuPlatform\n"
+        "platforms._current_platform = CpuPlatform()\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "from vllm.engine.arg_utils import AsyncEngineArgs\n"
+        "from vllm.config import AttentionConfig\n"
+        "parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())\n"
+        "args = parser.parse_args(['--model', 'm', '--attention-backend', 'TK'])\n"
+        "print(AttentionConfig.validate_backend_before(args.attention_backend).name)\n"
+        "args = parser.parse_args(['--model', 'm', '--attention-config', '{\"backend\": \"tk\"}'])\n"
+        "print(args.attention_config.backend.get_class().__name__)\n"
+    )
+    assert out.split()[-2:] == ["CUSTOM", "TKAttentionBackend"]
+
+
+def test_selection_survives_a_spawned_process_that_has_not_loaded_plugins_yet():
+    """vLLM unpickles its config in a spawned engine/worker before it loads plugins there."""
+    payload = pickle.dumps(AttentionConfig(backend="TK"))
+    out = _run_python(
+        "import pickle, sys\n"
+        "config = pickle.loads(sys.stdin.buffer.read())\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        "assert config.backend is E.CUSTOM, config.backend\n"
+        "assert 'tk_backend' not in sys.modules and 'TK' not in E.__members__\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "assert E['TK'] is E.CUSTOM\n"
+        "print(config.backend.get_class().__name__)\n",
+        stdin=payload,
+    )
+    assert out.split()[-1] == "TKAttentionBackend"
+
+
+def _resolve_in_child(queue, payload: bytes) -> None:
+    config = pickle.loads(payload)
+    queue.put((config.backend.name, config.backend.get_class().__name__))
+
+
+def test_selection_survives_a_forked_process():
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_resolve_in_child, args=(queue, pickle.dumps(AttentionConfig(backend="TK"))))
+    proc.start()
+    result = queue.get(timeout=120)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0 and result == ("CUSTOM", "TKAttentionBackend")
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def _selector(**overrides) -> dict:
+    config = dict(
+        head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None, use_mla=False,
+        has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+        device_capability=DeviceCapability(9, 0), attn_type="decoder", has_sliding_window=False,
+    )
+    config.update(overrides)
+    return config
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"head_size": 64}, {"head_size": 256, "dtype": torch.float16}, {"has_sliding_window": True},
+     {"block_size": 32}, {"kv_cache_dtype": "bfloat16"}],
+)
+def test_validation_accepts_supported_configurations(overrides):
+    assert TKAttentionBackend.validate_configuration(**_selector(**overrides)) == []
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        ({"head_size": 96}, "head_size 96 not supported (TK kernels: 64, 128, 256)"),
+        ({"dtype": torch.float32}, "dtype float32 not supported"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 not supported"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "fp8 KV caches are not implemented"),
+        ({"block_size": 8}, "block_size 8 not supported"),
+        ({"device_capability": DeviceCapability(10, 0)}, "need sm_90, Hopper"),
+        ({"device_capability": DeviceCapability(8, 0)}, "need sm_90, Hopper"),
+        ({"attn_type": "encoder_decoder"}, "no encoder, encoder-only or cross attention"),
+        ({"attn_type": "encoder_only"}, "attention type encoder_only not supported"),
+        ({"use_mla": True}, "MLA not supported"),
+        ({"has_sink": True}, "attention sinks not supported"),
+        ({"use_mm_prefix": True}, "TK backend"),
+        ({"use_non_causal": True}, "non-causal decoder attention not supported"),
+        ({"use_batch_invariant": True}, "batch-invariant mode"),
+    ],
+)
+def test_validation_refuses_with_a_reason(overrides, reason):
+    reasons = TKAttentionBackend.validate_configuration(**_selector(**overrides))
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_validation_refuses_what_only_newer_vllm_asks_about():
+    base = _selector()
+    for key, hook_says in [("use_dcp", "DCP"), ("use_adaptive_verification", "query lens mismatch")]:
+        try:
+            reasons = TKAttentionBackend.validate_configuration(**base, **{key: True})
+        except TypeError:  # vLLM 0.26 has no such argument; the impl refuses DCP itself (below)
+            continue
+        assert any(hook_says in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [
+        ({"head_size": 80}, "head_size 80"),
+        ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
+        ({"attn_type": "encoder"}, "attention type encoder"),
+        ({"sinks": torch.zeros(8)}, "attention sinks"),
+        ({"use_alibi_sqrt": True}, "layer option use_alibi_sqrt=True"),
+    ],
+)
+def test_impl_refuses_unsupported_layers(kwargs, reason):
+    args = dict(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
+                kv_cache_dtype="auto")
+    args.update(kwargs)
+    with pytest.raises(NotImplementedError, match=f"TK attention backend cannot run this layer: .*{reason}"):
+        TKAttentionImpl(**args)
+
+
+def test_impl_refuses_decode_context_parallelism(monkeypatch):
+    monkeypatch.setattr(TKAttentionImpl, "dcp_world_size", 2, raising=False)
+
+    def new(cls, *args, **kwargs):
+        self = object.__new__(cls)
+        self.dcp_world_size, self.pcp_world_size = 2, 1
+        return self
+
+    monkeypatch.setattr(TKAttentionImpl, "__new__", new)
+    with pytest.raises(NotImplementedError, match="decode context parallelism"):
+        TKAttentionImpl(8, 128, 0.1, 2, None, None, "auto")
+
+
+def test_impl_maps_window_and_softcap():
+    impl = TKAttentionImpl(8, 64, 0.1, 2, None, 4096, "auto", 30.0)
+    assert impl.window_size == (4095, 0) and impl.softcap == 30.0
+    impl = TKAttentionImpl(8, 64, 0.1, 2, None, None, "auto", None)
+    assert impl.window_size == (-1, -1) and impl.softcap == 0.0
+
+
+# ------------------------------------------------------------------------------------------ KV layout
+
+
+def _vllm_allocated_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, layout: str):
+    """Two layers' KV caches as the installed vLLM allocates them, over one raw byte buffer."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    raw = torch.zeros(2 * num_blocks * page, dtype=torch.int8)
+    if compat.BACKEND_DECLARES_KV_SHAPE:  # vLLM 0.26: the backend's shape and stride order
+        from vllm.v1.attention.backends import utils as attn_utils
+        from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+
+        attn_utils.set_kv_cache_layout(layout)
+        try:
+            shape = TKAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+            order = TKAttentionBackend.get_kv_cache_stride_order()
+        finally:
+            attn_utils.set_kv_cache_layout(None)
+        half = raw.numel() // 2
+        caches = [_reshape_attention_kv_cache(raw[i * half:(i + 1) * half], spec, shape, order, num_blocks, None)
+                  for i in range(2)]
+    else:  # vLLM >= 0.27: one KVCacheLayout for the whole model
+        from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        kv_layout = {"NHD": KVCacheLayout.LBNHC, "HND": KVCacheLayout.LBHNC}[layout]
+        tensor = KVCacheTensor(size=raw.numel(), layers=["l0", "l1"], layer_stride=page * num_blocks,
+                               block_stride=page)
+        caches = create_kv_cache_views(raw, spec, num_blocks, kv_layout, tensor)
+    return raw, caches
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("num_kv_heads,head_size", [(2, 64), (1, 128), (4, 256)])
+def test_kv_cache_views_are_strided_views_of_the_combined_cache(layout, num_kv_heads, head_size):
+    num_blocks, block_size = 6, 16
+    raw, caches = _vllm_allocated_cache(num_blocks, block_size, num_kv_heads, head_size, layout)
+    kv = caches[1]
+    assert kv.shape == (num_blocks, num_kv_heads, block_size, 2 * head_size)
+    k, v = kv_cache_views(kv, head_size)
+    assert k.shape == v.shape == (num_blocks, block_size, num_kv_heads, head_size)
+    assert k.stride(-1) == v.stride(-1) == 1
+    assert v.data_ptr() - k.data_ptr() == head_size * kv.element_size()  # the two halves of each content row
+    base, end = raw.data_ptr(), raw.data_ptr() + raw.numel()
+    assert base <= k.data_ptr() < end and base <= v.data_ptr() < end  # no copy
+    if layout == "NHD":  # [num_blocks, block_size, num_kv_heads, 2*head_size] in memory
+        assert k.stride()[:2] == (block_size * num_kv_heads * 2 * head_size, num_kv_heads * 2 * head_size)
+    else:  # [num_blocks, num_kv_heads, block_size, 2*head_size]
+        assert k.stride(1) == 2 * head_size
+
+    # Writing through the views lands in the combined cache, K in the first half of the content dim.
+    k[3, 5, num_kv_heads - 1] = 1.0
+    v[3, 5, num_kv_heads - 1] = 2.0
+    assert torch.equal(kv[3, num_kv_heads - 1, 5, :head_size], torch.ones(head_size, dtype=kv.dtype))
+    assert torch.equal(kv[3, num_kv_heads - 1, 5, head_size:], torch.full((head_size,), 2.0, dtype=kv.dtype))
+    assert int(caches[0].count_nonzero()) == 0  # the other layer is untouched
+
+    # The views are what the TK ops accept: paged, unit inner stride, 16-byte aligned offsets and strides.
+    assert (v.storage_offset() * v.element_size()) % 16 == 0
+    q = torch.empty(3, 2, num_kv_heads * 2, head_size, dtype=kv.dtype, device="meta")
+    attention.validate_decode(
+        q, _meta_like(k), _meta_like(v), torch.empty(3, dtype=torch.int32, device="meta"),
+        torch.empty(3, num_blocks, dtype=torch.int32, device="meta"), None, True, (-1, -1), 0.0, 0, None,
+    )
+
+
+def test_kv_cache_shape_hooks_follow_the_vllm_version():
+    if compat.BACKEND_DECLARES_KV_SHAPE:
+        assert TKAttentionBackend.get_kv_cache_shape(10, 16, 4, 128) == (10, 4, 16, 256)
+        assert sorted(TKAttentionBackend.get_kv_cache_stride_order()) == [0, 1, 2, 3]
+        assert sorted(TKAttentionBackend.get_kv_cache_stride_order(True)) == [0, 1, 2, 3, 4]
+    else:
+        from vllm.v1.attention.backend import AttentionBackend
+
+        assert not hasattr(AttentionBackend, "get_kv_cache_stride_order")
+        assert TKAttentionBackend.supported_kv_cache_layouts() is None  # any layout: we read strided views
+        with pytest.raises(NotImplementedError):
+            TKAttentionBackend.get_kv_cache_stride_order()
+
+
+# ------------------------------------------------------------------------------------ metadata building
+
+
+@pytest.mark.parametrize(
+    "query_lens,max_query_len,expected",
+    [
+        ([1, 1, 1], 1, (3, 1)),
+        ([4, 4], 4, (2, 4)),
+        ([16] * 5, 16, (5, 16)),
+        ([1, 1, 0, 0], 1, (4, 1)),  # CUDA-graph padding requests at the end
+        ([17, 17], 17, None),  # wider than the decode op
+        ([1, 5], 5, None),  # mixed
+        ([1, 0, 1], 1, None),  # an empty request in the middle would shift rows
+        ([0, 0], 0, None),
+        ([37], 37, None),
+    ],
+)
+def test_uniform_decode_shape(query_lens, max_query_len, expected):
+    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    assert uniform_decode_shape(qsl, max_query_len) == expected
+
+
+def _common_metadata(query_lens, seq_lens, block_table, slot_mapping) -> CommonAttentionMetadata:
+    qsl = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slot_mapping,
+    )
+
+
+def _builder(num_kv_heads=2, head_size=64, block_size=16, speculative_config=None) -> TKAttentionMetadataBuilder:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=torch.bfloat16)
+    config = SimpleNamespace(speculative_config=speculative_config)
+    return TKAttentionMetadataBuilder(spec, ["layers.0.attn"], config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "query_lens,seq_lens,decode",
+    [
+        ([1, 1, 1, 1], [9, 30, 1, 100], (4, 1)),  # decode
+        ([3, 3], [40, 3], (2, 3)),  # speculative verification
+        ([1, 7], [20, 7], None),  # decode + prefill
+        ([50, 20], [50, 90], None),  # prefill + chunked prefill over a cached prefix
+        ([1, 1, 0], [5, 6, 0], (3, 1)),  # padded for a CUDA graph
+    ],
+)
+def test_builder_chooses_the_decode_op_only_for_uniform_batches(query_lens, seq_lens, decode):
+    n = len(query_lens)
+    block_table = torch.arange(n * 8, dtype=torch.int32).view(n, 8)
+    md = _builder().build(0, _common_metadata(query_lens, seq_lens, block_table, torch.arange(sum(query_lens))))
+    assert md.is_uniform_decode == (decode is not None)
+    if decode is not None:
+        assert (md.decode_batch, md.decode_query_len) == decode
+    assert md.num_actual_tokens == sum(query_lens) and md.max_query_len == max(query_lens)
+    assert md.block_table.shape == (n, 8) and md.seq_lens.tolist() == seq_lens
+    assert md.query_start_loc.shape == (n + 1,)
+    # update_block_table keeps everything else.
+    other = _builder().update_block_table(md, block_table + 100, torch.zeros(3))
+    assert torch.equal(other.block_table, block_table + 100) and other.decode_batch == md.decode_batch
+
+
+def test_cudagraph_support_depends_on_the_decode_width():
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    config = SimpleNamespace(speculative_config=None)
+    assert TKAttentionMetadataBuilder.get_cudagraph_support(config, spec) is AttentionCGSupport.UNIFORM_BATCH
+    for drafts, support in [(4, AttentionCGSupport.UNIFORM_BATCH),
+                            (20, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)]:
+        spec_config = SimpleNamespace(num_speculative_tokens=drafts, parallel_drafting=False,
+                                      enable_adaptive_verification=False)
+        config = SimpleNamespace(speculative_config=spec_config, use_v2_model_runner=True)
+        assert TKAttentionMetadataBuilder.get_cudagraph_support(config, spec) is support
+
+
+# --------------------------------------------------------- forward pass with the references as kernels
+
+
+class _KernelStandIns:
+    """The TK ops replaced by the float32 references, after the real argument validation (on meta copies)."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+               causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
+               return_softmax_lse=False):
+        meta = [None if t is None else _meta_like(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
+                                                              seqused_k, out)]
+        attention.validate_varlen(meta[0], meta[1], meta[2], meta[3], meta[4], max_seqlen_q, max_seqlen_k,
+                                  softmax_scale, causal, window_size, softcap, meta[5], meta[6], meta[7])
+        # max_seqlen_* must bound the true lengths: they size the kernel's grid.
+        assert int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q
+        assert int(seqused_k.max()) <= max_seqlen_k
+        self.calls.append("varlen")
+        o, _ = reference.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
+                                   softcap, block_table=block_table, seqused_k=seqused_k)
+        out.copy_(o)
+        return out
+
+    def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
+                     window_size=(-1, -1), softcap=0.0, num_splits=0, out=None, return_softmax_lse=False):
+        meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, cache_seqlens, block_table, out)]
+        attention.validate_decode(*meta[:5], softmax_scale, causal, window_size, softcap, num_splits, meta[5])
+        self.calls.append(f"decode{tuple(q.shape[:2])}")
+        o, _ = reference.decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
+                                window_size, softcap)
+        out.copy_(o)
+        return out
+
+    @staticmethod
+    def write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
+        n = slot_mapping.shape[0]  # key/value may carry padding rows past it
+        slots = slot_mapping.long()
+        keep = slots >= 0
+        block_size = key_cache.shape[1]
+        blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+        key_cache[blocks, offsets] = key[:n][keep]
+        value_cache[blocks, offsets] = value[:n][keep]
+
+
+@pytest.fixture
+def kernels(monkeypatch) -> _KernelStandIns:
+    stand_ins = _KernelStandIns()
+    monkeypatch.setattr(tk_vllm_backend, "flash_attn_varlen_func", stand_ins.varlen)
+    monkeypatch.setattr(tk_vllm_backend, "flash_attn_with_kvcache", stand_ins.with_kvcache)
+    monkeypatch.setattr(tk_vllm_backend, "reshape_and_cache_flash", stand_ins.write_cache)
+    return stand_ins
+
+
+class _ServingSimulation:
+    """One attention layer over a paged cache, driven the way vLLM drives it, checked against dense attention.
+
+    Each request has full random q/k/v histories; a step feeds each request its next `n` tokens (slot mapping
+    through its shuffled pages), builds the metadata from a CommonAttentionMetadata, writes the cache, runs the
+    impl, and compares every real output row with reference attention over the request's unpaged keys.
+    """
+
+    def __init__(self, num_heads, num_kv_heads, head_size, prompt_lens, block_size=16, max_len=160,
+                 sliding_window=None, softcap=None, layout="NHD", seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.h, self.hkv, self.d, self.bs = num_heads, num_kv_heads, head_size, block_size
+        self.scale = head_size**-0.5
+        self.max_blocks = math.ceil(max_len / block_size)
+        num_blocks = len(prompt_lens) * self.max_blocks + 3
+        _, caches = _vllm_allocated_cache(num_blocks, block_size, num_kv_heads, head_size, layout)
+        self.kv_cache = caches[0]
+        perm = torch.randperm(num_blocks - 1, generator=gen)[: len(prompt_lens) * self.max_blocks] + 1
+        self.block_table = perm.view(len(prompt_lens), self.max_blocks).to(torch.int32)
+        self.hist = [
+            {n: torch.randn(max_len, hq, head_size, generator=gen).to(torch.bfloat16)
+             for n, hq in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))}
+            for _ in prompt_lens
+        ]
+        self.done = [0] * len(prompt_lens)
+        self.impl = TKAttentionImpl(num_heads, head_size, self.scale, num_kv_heads, None, sliding_window, "auto",
+                                    softcap)
+        self.builder = _builder(num_kv_heads, head_size, block_size)
+        self.layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
+
+    def prefill_cached_prefix(self, req: int, n: int) -> None:
+        """Tokens whose K/V an earlier step (or another request, via prefix caching) already wrote."""
+        self.step({req: n}, check=False)
+
+    def step(self, new_tokens: dict[int, int], pad_requests: int = 0, pad_tokens: int = 0, check: bool = True):
+        reqs = list(new_tokens)
+        qs, ks, vs, slots, expected = [], [], [], [], []
+        for r in reqs:
+            lo, hi = self.done[r], self.done[r] + new_tokens[r]
+            for name, dst in (("q", qs), ("k", ks), ("v", vs)):
+                dst.append(self.hist[r][name][lo:hi])
+            pos = torch.arange(lo, hi)
+            slots.append(self.block_table[r].long()[pos // self.bs] * self.bs + pos % self.bs)
+            if check:
+                out, _ = reference.attention(
+                    self.hist[r]["q"][lo:hi], self.hist[r]["k"][:hi], self.hist[r]["v"][:hi],
+                    torch.tensor([0, hi - lo], dtype=torch.int32), torch.tensor([0, hi], dtype=torch.int32),
+                    self.scale, True, self.impl.window_size, self.impl.softcap,
+                )
+                expected.append(out)
+            self.done[r] = hi
+        query_lens = [new_tokens[r] for r in reqs] + [0] * pad_requests
+        seq_lens = [self.done[r] for r in reqs] + [0] * pad_requests
+        block_table = torch.cat([self.block_table[reqs], torch.zeros(pad_requests, self.max_blocks,
+                                                                      dtype=torch.int32)])
+        cm = _common_metadata(query_lens, seq_lens, block_table, torch.cat(slots))
+        md = self.builder.build(0, cm)
+        junk = {"q": self.h, "k": self.hkv, "v": self.hkv}
+        q, k, v = (torch.cat([*rows, torch.randn(pad_tokens, junk[n], self.d).to(torch.bfloat16)])
+                   for n, rows in (("q", qs), ("k", ks), ("v", vs)))
+        output = torch.full((q.shape[0], self.h, self.d), float("nan"), dtype=torch.bfloat16)
+        self.impl.do_kv_cache_update(self.layer, k, v, self.kv_cache, cm.slot_mapping)
+        self.impl.forward(self.layer, q, k, v, self.kv_cache, md, output)
+        if check:
+            n = cm.num_actual_tokens
+            got, want = output[:n].float(), torch.cat(expected)
+            assert not torch.isnan(got).any(), "unwritten output rows"
+            err = (got - want).norm() / want.norm()
+            assert err < 1e-2, f"relative error {err:.3e}"
+        return md
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(8, 2, 64), (4, 4, 128), (8, 1, 256)])
+def test_forward_serves_prefill_chunks_prefix_hits_decode_and_verification(
+    kernels, layout, num_heads, num_kv_heads, head_size
+):
+    sim = _ServingSimulation(num_heads, num_kv_heads, head_size, prompt_lens=[37, 5, 70], layout=layout)
+    sim.prefill_cached_prefix(2, 40)  # request 2's first 40 tokens come from the prefix cache
+    kernels.calls.clear()
+    sim.step({0: 37, 1: 5, 2: 30})  # prefill, short prefill, chunked prefill over the cached prefix
+    sim.step({0: 1, 1: 1, 2: 1})  # decode
+    sim.step({0: 4, 1: 4, 2: 4})  # speculative verification: 1 + 3 drafts per request
+    sim.step({0: 1, 1: 9})  # mixed decode + prefill
+    sim.step({0: 1, 1: 1, 2: 1}, pad_requests=2, pad_tokens=2)  # decode padded for a CUDA graph of 5
+    assert kernels.calls == ["varlen", "decode(3, 1)", "decode(3, 4)", "varlen", "decode(5, 1)"]
+
+
+@pytest.mark.parametrize("sliding_window,softcap", [(24, None), (None, 20.0), (9, 5.0)])
+def test_forward_applies_sliding_window_and_softcap(kernels, sliding_window, softcap):
+    sim = _ServingSimulation(8, 2, 64, prompt_lens=[60, 33], sliding_window=sliding_window, softcap=softcap)
+    sim.step({0: 60, 1: 20})
+    sim.step({0: 1, 1: 1})
+    sim.step({0: 2, 1: 13})
+    assert kernels.calls == ["varlen", "decode(2, 1)", "varlen"]
+
+
+def test_forward_profiling_run_without_metadata_zeroes_output():
+    impl = TKAttentionImpl(8, 64, 0.125, 2, None, None, "auto")
+    out = torch.full((4, 8, 64), float("nan"))
+    impl.forward(None, torch.randn(4, 8, 64), None, None, torch.empty(0), None, out)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+# ------------------------------------------------------------------------------------ tensor parallelism
+
+
+def _rank_heads(total_q: int, total_kv: int, tp: int, rank: int) -> tuple[slice, slice]:
+    """The q and kv heads rank `rank` holds, as vLLM's QKVParallelLinear shards them (KV replicated when there
+    are fewer KV heads than ranks)."""
+    q_per_rank = total_q // tp
+    if tp >= total_kv:
+        kv_per_rank, kv_shard = 1, rank // (tp // total_kv)
+    else:
+        kv_per_rank, kv_shard = total_kv // tp, rank
+    return (slice(rank * q_per_rank, (rank + 1) * q_per_rank),
+            slice(kv_shard * kv_per_rank, (kv_shard + 1) * kv_per_rank))
+
+
+@pytest.mark.parametrize("total_q,total_kv", [(16, 4), (16, 16), (32, 8)])
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_ranks_attend_their_head_slices(kernels, total_q, total_kv, tp):
+    from vllm.config import ModelConfig
+
+    # vLLM's own per-rank head arithmetic, on a stand-in model config.
+    model = SimpleNamespace(use_mla=False, model_arch_config=SimpleNamespace(
+        total_num_attention_heads=total_q, total_num_kv_heads=total_kv))
+    model.get_total_num_kv_heads = lambda: total_kv
+    parallel = SimpleNamespace(tensor_parallel_size=tp)
+    heads_per_rank = ModelConfig.get_num_attention_heads(model, parallel)
+    kv_heads_per_rank = ModelConfig.get_num_kv_heads(model, parallel)
+
+    gen = torch.Generator().manual_seed(tp * 100 + total_kv)
+    lens = [23, 1, 40]
+    cu = torch.tensor([0, 23, 24, 64], dtype=torch.int32)
+    q = torch.randn(64, total_q, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(64, total_kv, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(64, total_kv, 64, generator=gen).to(torch.bfloat16)
+    full, _ = reference.attention(q, k, v, cu, cu, 0.125, True)
+
+    block_size, max_blocks = 16, 3
+    block_table = torch.arange(3 * max_blocks, dtype=torch.int32).view(3, max_blocks)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    req = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    slots = block_table[req, pos // block_size].long() * block_size + pos % block_size
+    md = _builder(kv_heads_per_rank, 64).build(0, _common_metadata(lens, lens, block_table, slots))
+    layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
+    for rank in range(tp):
+        q_heads, kv_heads = _rank_heads(total_q, total_kv, tp, rank)
+        assert q_heads.stop - q_heads.start == heads_per_rank
+        assert kv_heads.stop - kv_heads.start == kv_heads_per_rank
+        impl = TKAttentionImpl(heads_per_rank, 64, 0.125, kv_heads_per_rank, None, None, "auto")
+        _, (kv_cache, _) = _vllm_allocated_cache(3 * max_blocks, block_size, kv_heads_per_rank, 64, "NHD")
+        out = torch.full((64, heads_per_rank, 64), float("nan"), dtype=torch.bfloat16)
+        impl.do_kv_cache_update(layer, k[:, kv_heads], v[:, kv_heads], kv_cache, slots)
+        impl.forward(layer, q[:, q_heads].contiguous(), None, None, kv_cache, md, out)
+        err = (out.float() - full[:, q_heads]).norm() / full[:, q_heads].norm()
+        assert err < 1e-2, f"rank {rank}/{tp}: relative error {err:.3e}"

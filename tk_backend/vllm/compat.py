@@ -1,0 +1,77 @@
+"""Everything that differs between the vLLM releases the TK backend runs on (0.26.0 ... 0.33.0), decided here.
+
+The GPU host runs vLLM 0.26.0; users install 0.33.0. Between them the attention-backend interface changed in
+these ways that touch us (checked by reading both releases' sources):
+
+* KV cache shape. 0.26 asks each backend for the cache's logical shape (`get_kv_cache_shape`, abstract) and its
+  physical order (`get_kv_cache_stride_order`, NHD or HND from `get_kv_cache_layout()`). 0.33 removed both: it
+  derives the shape from the layer's AttentionSpec and the order from one `KVCacheLayout` resolved for the
+  whole model (`AttentionBackend.supported_kv_cache_layouts`, None = any). Both hand `forward` the same logical
+  per-layer tensor [num_blocks, num_kv_heads, block_size, 2 * head_size], NHD physical by default.
+* Validation hooks. 0.33 adds `use_adaptive_verification`, `use_dcp` and `use_rswa` to
+  `validate_configuration` (with hooks `supports_device_cpu_query_lens_mismatch`, `supports_dcp` read from the
+  impl, `supports_rswa`); 0.26 never asks, so DCP is refused in the impl there (see backend.py).
+* `get_supported_kernel_block_sizes` takes an optional `kv_cache_spec` in 0.33 (none in 0.26).
+* The widest "decode" query: 0.33 has `max_decode_query_len(vllm_config)`; 0.26 computes it inline.
+* `AttentionBackendEnum.register` (new names) exists only in 0.33; we do not use it (see __init__.py).
+
+Features are detected by presence rather than by comparing version numbers, so releases between 0.26 and
+0.33 that we could not inspect take whichever side they actually implement.
+"""
+from __future__ import annotations
+
+import vllm
+from packaging.version import Version
+from vllm.v1.attention.backend import AttentionBackend
+
+MIN_VLLM = (0, 26)
+VLLM_VERSION = Version(vllm.__version__).release
+
+# 0.26: the backend declares the KV cache's logical shape and physical stride order.
+BACKEND_DECLARES_KV_SHAPE = hasattr(AttentionBackend, "get_kv_cache_shape")
+
+
+def require_supported_vllm() -> None:
+    if VLLM_VERSION[:2] < MIN_VLLM:
+        raise ImportError(f"the TK attention backend needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, "
+                          f"found {vllm.__version__}")
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, int, int, int]:
+    """vLLM's standard logical KV cache shape: K and V packed along the content dim."""
+    return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+
+def kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+    """Physical order of kv_cache_shape's dims (0.26 only), the same as vLLM's FlashAttention backend chooses."""
+    if not BACKEND_DECLARES_KV_SHAPE:
+        raise NotImplementedError("vLLM >= 0.27 derives the KV cache layout itself")
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+    layout = get_kv_cache_layout()
+    orders = {
+        # (num_blocks, [num_layers,] block_size, num_kv_heads, 2*head_size)
+        ("NHD", False): (0, 2, 1, 3),
+        ("NHD", True): (1, 0, 3, 2, 4),
+        # (num_blocks, num_kv_heads, [num_layers,] block_size, 2*head_size)
+        ("HND", False): (0, 1, 2, 3),
+        ("HND", True): (1, 2, 0, 3, 4),
+    }
+    if (layout, include_num_layers_dimension) not in orders:
+        raise ValueError(f"unknown KV cache layout {layout!r}")
+    return orders[(layout, include_num_layers_dimension)]
+
+
+def max_decode_query_len(vllm_config) -> int:
+    """The widest per-request query vLLM batches as a uniform decode (1 + speculative tokens)."""
+    try:  # vLLM >= 0.33
+        from vllm.v1.attention.backend import max_decode_query_len as vllm_max_decode_query_len
+    except ImportError:
+        vllm_max_decode_query_len = None
+    if vllm_max_decode_query_len is not None:
+        return vllm_max_decode_query_len(vllm_config)
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.num_speculative_tokens is None:
+        return 1
+    per_draft = 2 if getattr(spec, "parallel_drafting", False) else 1
+    return 1 + per_draft * spec.num_speculative_tokens
