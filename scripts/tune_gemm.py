@@ -1,7 +1,7 @@
-"""Sweep the GEMM launch knobs (ring depth, cluster multicast, raster width) on the GPU.
+"""Sweep the GEMM launch knobs (ring depth, release lag, raster width) on the GPU.
 
 Each variant runs the gemm benchmark family in its own process (the knobs are read once per process from
-TK_GEMM_STAGES, TK_GEMM_CLUSTER, TK_GEMM_GROUP_ROWS) and the table shows tk / cuBLAS per case and variant.
+TK_GEMM_STAGES, TK_GEMM_LAG, TK_GEMM_GROUP_ROWS) and the table shows tk / cuBLAS per case and variant.
 """
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-VARIANTS = [dict(TK_GEMM_STAGES=s, TK_GEMM_CLUSTER=c, TK_GEMM_GROUP_ROWS=g)
-            for s, c, g in itertools.product((4, 3), (1, 2), (16,))] + [
-               dict(TK_GEMM_STAGES=4, TK_GEMM_CLUSTER=2, TK_GEMM_GROUP_ROWS=8)]
+VARIANTS = [dict(TK_GEMM_STAGES=s, TK_GEMM_LAG=lag, TK_GEMM_GROUP_ROWS=g)
+            for s, lag, g in itertools.product((4, 3), (1, 0), (16,))] + [
+               dict(TK_GEMM_STAGES=4, TK_GEMM_LAG=1, TK_GEMM_GROUP_ROWS=8)]
 
 
 def main() -> int:
     table: dict[str, dict[str, float]] = {}
     for v in VARIANTS:
-        label = f"s{v['TK_GEMM_STAGES']}c{v['TK_GEMM_CLUSTER']}g{v['TK_GEMM_GROUP_ROWS']}"
+        label = f"s{v['TK_GEMM_STAGES']}l{v['TK_GEMM_LAG']}g{v['TK_GEMM_GROUP_ROWS']}"
         out = pathlib.Path(tempfile.mkdtemp()) / "gemm.json"
         env = {**os.environ, **{k: str(x) for k, x in v.items()}}
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--family", "gemm", "--out", str(out)],

@@ -413,9 +413,10 @@ def flash_attn_with_kvcache(
     """Paged decode: q [B, q_len, Hq, D] (q_len 1..16) against caches [num_blocks, block_size, Hkv, D].
 
     The q_len new tokens are the last q_len of each sequence's cache_seqlens[b] cached tokens (they must
-    already be written to the cache). Work is split over the KV length by decode_plan (num_splits=0: the
-    configs/ table or the cost model; n > 0: n chunks per full-length sequence). Returns out [B, q_len, Hq, D],
-    or (out, lse [B, Hq, q_len] float32) with return_softmax_lse.
+    already be written to the cache). For now this runs on the paged prefill kernel (one query block per
+    sequence and head, no split over the KV length), so num_splits is validated but not used; the split-KV
+    plan for the dedicated decode kernel is decode_plan's. Returns out [B, q_len, Hq, D], or
+    (out, lse [B, Hq, q_len] float32) with return_softmax_lse.
     """
     scale, window, softcap = validate_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, num_splits, out,
@@ -425,21 +426,15 @@ def flash_attn_with_kvcache(
     num_blocks, block_size, hkv, _ = k_cache.shape
     if _block_table_check_wanted(block_table):
         check_block_table(block_table, cache_seqlens, num_blocks, block_size)
-    num_sms, device_name = _device_info(q.device)
-    # The plan is static per batch shape: the longest context is what the block table can address, and only
-    # the window's left edge matters (keys left of it are invisible to every query, so their pages are skipped).
+    # Until the split-KV decode kernel lands (decode_plan holds its planner), decode runs on the paged prefill
+    # kernel: each sequence's q_len queries are the last q_len positions of its cache_seqlens[b] keys.
     max_context = block_table.shape[1] * block_size
-    plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0], num_splits,
-                                 device_name)
-    workspace = decode_plan.DecodeWorkspace.allocate(plan, q.device)
-    decode_plan.build_work_list(plan, cache_seqlens, workspace)
-    q = _addressable_copy(q)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
-    torch.ops.tk.attn_decode(
-        q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
-        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, scale, causal, window[0], window[1],
-        softcap, out, lse,
-    )
+    cu_q = torch.arange(0, (bsz + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
+    flat_out = out.view(bsz * q_len, hq, d) if out is not None and out.is_contiguous() else None
+    o, lse = _varlen(q.reshape(bsz * q_len, hq, d), k_cache, v_cache, cu_q, None, cache_seqlens, block_table,
+                     q_len, max_context, scale, causal, window, softcap, flat_out)
+    if out is not None and flat_out is None:
+        out.copy_(o.view(bsz, q_len, hq, d))
+    out = out if out is not None else o.view(bsz, q_len, hq, d)
+    lse = lse.view(hq, bsz, q_len).transpose(0, 1)
     return (out, lse) if return_softmax_lse else out

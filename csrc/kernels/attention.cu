@@ -21,7 +21,7 @@ template <typename T, int D>
 struct attn_prefill {
   static constexpr int consumers = 2, QROWS = 64, BQ = consumers * QROWS;
   static constexpr int KV = D == 256 ? 64 : 128;
-  static constexpr int stages = D == 64 ? 4 : 2;
+  static constexpr int stages = D == 256 ? 2 : D == 128 ? 3 : 4;  // what shared memory holds next to Q
   static constexpr int PAGE_PIECE = 16;
   using q_tile = st<T, QROWS, D>;
   using kv_tile = st<T, KV, D>;

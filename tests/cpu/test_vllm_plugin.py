@@ -88,11 +88,12 @@ def test_cli_flag_resolves_in_a_fresh_process_through_the_entry_point():
         "from vllm.config import AttentionConfig\n"
         "parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())\n"
         "args = parser.parse_args(['--model', 'm', '--attention-backend', 'TK'])\n"
-        "print(AttentionConfig.validate_backend_before(args.attention_backend).name)\n"
+        "print('RESULT', AttentionConfig.validate_backend_before(args.attention_backend).name)\n"
         "args = parser.parse_args(['--model', 'm', '--attention-config', '{\"backend\": \"tk\"}'])\n"
-        "print(args.attention_config.backend.get_class().__name__)\n"
+        "print('RESULT', args.attention_config.backend.get_class().__name__)\n"
     )
-    assert out.split()[-2:] == ["CUSTOM", "TKAttentionBackend"]
+    results = [line.split()[1] for line in out.splitlines() if line.startswith("RESULT ")]
+    assert results == ["CUSTOM", "TKAttentionBackend"]
 
 
 def test_selection_survives_a_spawned_process_that_has_not_loaded_plugins_yet():
@@ -107,10 +108,10 @@ def test_selection_survives_a_spawned_process_that_has_not_loaded_plugins_yet():
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
         "assert E['TK'] is E.CUSTOM\n"
-        "print(config.backend.get_class().__name__)\n",
+        "print('RESULT', config.backend.get_class().__name__)\n",
         stdin=payload,
     )
-    assert out.split()[-1] == "TKAttentionBackend"
+    assert "RESULT TKAttentionBackend" in out.splitlines()
 
 
 def _resolve_in_child(queue, payload: bytes) -> None:
@@ -296,9 +297,17 @@ def test_kv_cache_views_are_strided_views_of_the_combined_cache(layout, num_kv_h
 
 def test_kv_cache_shape_hooks_follow_the_vllm_version():
     if compat.BACKEND_DECLARES_KV_SHAPE:
+        from vllm.v1.attention.backends import utils as attn_utils
+
         assert TKAttentionBackend.get_kv_cache_shape(10, 16, 4, 128) == (10, 4, 16, 256)
-        assert sorted(TKAttentionBackend.get_kv_cache_stride_order()) == [0, 1, 2, 3]
-        assert sorted(TKAttentionBackend.get_kv_cache_stride_order(True)) == [0, 1, 2, 3, 4]
+        # The same physical orders as vLLM's FlashAttention backend (num_blocks outermost in both layouts).
+        for layout, order, layered in [("NHD", (0, 2, 1, 3), (1, 0, 3, 2, 4)), ("HND", (0, 1, 2, 3), (1, 2, 0, 3, 4))]:
+            attn_utils.set_kv_cache_layout(layout)
+            try:
+                assert TKAttentionBackend.get_kv_cache_stride_order() == order
+                assert TKAttentionBackend.get_kv_cache_stride_order(True) == layered
+            finally:
+                attn_utils.set_kv_cache_layout(None)
     else:
         from vllm.v1.attention.backend import AttentionBackend
 
@@ -463,6 +472,9 @@ class _ServingSimulation:
             for _ in prompt_lens
         ]
         self.done = [0] * len(prompt_lens)
+        # vLLM's sliding window w: a query sees itself and the w - 1 keys before it.
+        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        self.softcap = softcap or 0.0
         self.impl = TKAttentionImpl(num_heads, head_size, self.scale, num_kv_heads, None, sliding_window, "auto",
                                     softcap)
         self.builder = _builder(num_kv_heads, head_size, block_size)
@@ -485,7 +497,7 @@ class _ServingSimulation:
                 out, _ = reference.attention(
                     self.hist[r]["q"][lo:hi], self.hist[r]["k"][:hi], self.hist[r]["v"][:hi],
                     torch.tensor([0, hi - lo], dtype=torch.int32), torch.tensor([0, hi], dtype=torch.int32),
-                    self.scale, True, self.impl.window_size, self.impl.softcap,
+                    self.scale, True, self.window, self.softcap,
                 )
                 expected.append(out)
             self.done[r] = hi

@@ -55,6 +55,12 @@ template <typename K> consteval int cluster_size() {
   if constexpr (requires { K::cluster; }) return K::cluster;
   else return 1;
 }
+// How many stages late a consumer frees a stage: 1 (default) keeps one stage's products in flight while the
+// next is issued; 0 waits for them and frees the stage at once (deeper effective prefetch for the producer).
+template <typename K> consteval int release_lag() {
+  if constexpr (requires { K::release_lag; }) return K::release_lag;
+  else return 1;
+}
 template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 24 : 40;
 // What is left of the 64K-register file, split over the consumers (at most 240 a thread).
 template <kernel_policy K> constexpr int consumer_registers =
@@ -120,7 +126,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     auto step_stage = [&](auto&& compute_it) {
       wait(full[stage], phase);
       compute_it();
-      warpgroup::mma_async_wait<1>();  // the previous stage's matrix products are done with it
+      warpgroup::mma_async_wait<release_lag<K>()>();  // lag 1: the previous stage's products are done with it
     };
     for (int id = first; id < num_tasks; id += step) {
       const typename K::task_t t = K::task(g, id, rank);
@@ -134,19 +140,21 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
           else
             K::compute(state, smem.ring[stage], smem.scratch, g, t, 0, role);
         });
+        if constexpr (release_lag<K>() == 0) release(stage);
         previous = stage;
         if (++stage == K::stages) stage = 0, phase ^= 1;
       }
       for (int it = 1; it < t.iters; it++) {
         step_stage([&] { K::compute(state, smem.ring[stage], smem.scratch, g, t, it, role); });
-        release(previous);
+        if constexpr (release_lag<K>() == 0) release(stage);
+        else release(previous);
         previous = stage;
         if (++stage == K::stages) stage = 0, phase ^= 1;
       }
       if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
         if (t.iters > 0) K::drain(state, smem.scratch, g, t, role);
       warpgroup::mma_async_wait<0>();
-      if (previous >= 0) release(previous);
+      if (release_lag<K>() == 1 && previous >= 0) release(previous);
       K::finish(state, smem.scratch, g, t, role);
     }
     if (warpgroup::thread() == 0) tma::store_wait<0>();  // shared memory must outlive pending stores

@@ -1,0 +1,64 @@
+"""Paged decode family: tk vs FA3 flash_attn_with_kvcache (page_table) if present, else SDPA on gathered KV.
+
+Every impl is timed by CUDA-graph replay (as vLLM runs decode); tbps counts the bytes of Q, the K and V
+actually attended, and O.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import tk_backend
+from benchlib import Row, time_per_call
+
+PAGE, D = 16, 128
+CASES = [(b, c, 32, 8) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)] + [(1, 131072, 32, 8)]
+CASES += [(b, c, 64, 8) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)]
+
+
+def _fa3():
+    try:
+        import flash_attn_interface
+        return flash_attn_interface
+    except ImportError:
+        return None
+
+
+def _case(b, ctx, hq, hkv) -> list[Row]:
+    blocks = b * ctx // PAGE
+    k_cache = torch.randn(blocks, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(blocks, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // PAGE)
+    q = torch.randn(b, 1, hq, D, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    bytes_moved = 2 * (2 * b * ctx * hkv * D + 2 * b * hq * D)
+    case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{PAGE}"
+    impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
+    fa3 = _fa3()
+    if fa3 is not None:
+        impls["fa3"] = lambda i: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                             page_table=table, causal=True)
+    elif b * ctx <= 1 << 20:
+        def gathered(i):
+            k = k_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
+            v = v_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
+        impls["sdpa_gather"] = gathered
+    rows = []
+    for impl, call in impls.items():
+        try:
+            ms = time_per_call(call, 1)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  {case}: {impl} skipped ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+            continue
+        rows.append(Row("attn_decode", case, impl, ms, tbps=bytes_moved / ms / 1e9))
+    return rows
+
+
+def run(quick: bool = False) -> list[Row]:
+    rows = []
+    for b, ctx, hq, hkv in CASES[:4] if quick else CASES:
+        rows += _case(b, ctx, hq, hkv)
+        torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,76 @@
+"""Paged decode (flash_attn_with_kvcache) against the float32 reference, and under CUDA-graph replay."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tk_backend
+from tk_backend import reference
+from tests.accuracy import assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+def _cache(rng, batch, contexts, block_size, hkv, d, dtype=torch.bfloat16):
+    max_blocks = max(-(-c // block_size) for c in contexts) + 2
+    num_blocks = batch * max_blocks + 3
+    kv = torch.randn(num_blocks, block_size, hkv, 2 * d, device="cuda", dtype=dtype)
+    table = torch.randperm(num_blocks, device="cuda")[: batch * max_blocks].to(torch.int32).view(batch, max_blocks)
+    return kv[..., :d], kv[..., d:], table.contiguous()
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("group", [4, 8])
+def test_decode(q_len, block_size, group, seed):
+    rng = random.Random(seed)
+    batch, hkv, d = 6, 2, 128
+    contexts = [rng.choice([q_len, rng.randint(q_len, 300), rng.randint(1000, 20000)]) for _ in range(batch)]
+    k_cache, v_cache, table = _cache(rng, batch, contexts, block_size, hkv, d)
+    q = torch.randn(batch, q_len, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, return_softmax_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
+    what = f"decode q_len={q_len} bs={block_size} group={group} ctx={contexts} seed={seed}"
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
+    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+
+
+@pytest.mark.parametrize("window,softcap", [((128, 0), 0.0), ((-1, -1), 20.0)])
+def test_decode_window_softcap(window, softcap, seed):
+    rng = random.Random(seed)
+    contexts = [rng.randint(1, 3000) for _ in range(4)]
+    k_cache, v_cache, table = _cache(rng, 4, contexts, 32, 4, 64, torch.float16)
+    q = torch.randn(4, 2, 16, 64, device="cuda", dtype=torch.float16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda").clamp_min(2)
+    out = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, window_size=window, softcap=softcap)
+    torch.cuda.synchronize()
+    ref = reference.decode(q, k_cache, v_cache, seqlens, table, window_size=window, softcap=softcap)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"window={window} softcap={softcap} seed={seed}")
+
+
+def test_decode_graph_replay(seed):
+    """Capture once; replay after the contexts and block tables change (as a serving engine does)."""
+    rng = random.Random(seed)
+    batch, d = 8, 128
+    k_cache, v_cache, table = _cache(rng, batch, [4000] * batch, 16, 8, d)
+    q = torch.randn(batch, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)
+    for _ in range(2):
+        seqlens.copy_(torch.tensor([rng.randint(1, 4000) for _ in range(batch)], dtype=torch.int32))
+        table.copy_(table[torch.randperm(batch, device="cuda")])
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.decode(q, k_cache, v_cache, seqlens, table)[0]
+        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"graph replay seed={seed}")
