@@ -20,8 +20,9 @@ constexpr float LN2 = 0.6931471805599453f;
 template <typename T, int D>
 struct attn_prefill {
   static constexpr int consumers = 2, QROWS = 64, BQ = consumers * QROWS;
-  static constexpr int KV = D == 256 ? 64 : 128;
-  static constexpr int stages = D == 256 ? 2 : D == 128 ? 3 : 4;  // what shared memory holds next to Q
+  // K/V tile rows and ring depth: what shared memory holds next to Q (3 stages at D=256 need 48-row tiles).
+  static constexpr int KV = D == 256 ? 48 : 128;
+  static constexpr int stages = D == 64 ? 4 : 3;
   static constexpr int PAGE_PIECE = 16;
   using q_tile = st<T, QROWS, D>;
   using kv_tile = st<T, KV, D>;
