@@ -5,8 +5,8 @@ starts: the front end, the engine core and each worker. It must therefore be ide
 
 Why "TK" is an alias of the CUSTOM member rather than a member of its own: vLLM pickles its config, the
 chosen backend included, into spawned engine and worker processes and unpickles it *before* those processes
-load plugins. A member added at run time (vLLM >= 0.27's `AttentionBackendEnum.register`) does not exist yet
-at that point, and vLLM 0.26 cannot add members at all. CUSTOM always exists, pickles as itself, and resolves
+load plugins. A member added at run time (`AttentionBackendEnum.register`, in 0.33, not in 0.26) does not exist
+yet at that point, and vLLM 0.26 cannot add members at all. CUSTOM always exists, pickles as itself, and resolves
 to our class once the plugin has run, so `TK`, `tk` and `CUSTOM` select the same backend under fork and spawn.
 
 Importing this package registers too, so `LLM(..., attention_config={"backend": "TK"})` works in a script

@@ -15,6 +15,11 @@ these ways that touch us (checked by reading both releases' sources):
 * The widest "decode" query: 0.33 has `max_decode_query_len(vllm_config)`; 0.26 computes it inline.
 * `AttentionBackendEnum.register` (new names) exists only in 0.33; we do not use it (see __init__.py).
 
+Differences that need no gate because the backend is written to both: the impl's `supports_dcp` default flipped
+(True in 0.26, False in 0.33; we set False); `get_required_kv_cache_layout` became `supported_kv_cache_layouts`
+(both default to "any", which is what we want); `CommonAttentionMetadata.seq_lens_cpu` and the builder's
+`use_cascade_attention` are gone in 0.33 (we use neither); `common_prefix_len` is always 0 in 0.33 (we ignore it).
+
 Features are detected by presence rather than by comparing version numbers, so releases between 0.26 and
 0.33 that we could not inspect take whichever side they actually implement.
 """
@@ -45,7 +50,7 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
 def kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
     """Physical order of kv_cache_shape's dims (0.26 only), the same as vLLM's FlashAttention backend chooses."""
     if not BACKEND_DECLARES_KV_SHAPE:
-        raise NotImplementedError("vLLM >= 0.27 derives the KV cache layout itself")
+        raise NotImplementedError(f"vLLM {vllm.__version__} derives the KV cache layout itself")
     from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
     layout = get_kv_cache_layout()
