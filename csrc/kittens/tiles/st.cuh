@@ -13,11 +13,11 @@ namespace kittens {
 
 // Widest swizzle whose row fits the tile: 128B when a row spans >= 128 bytes, else 64B or 32B.
 template <typename T, int C>
+inline constexpr bool swizzlable_row = (C * int(sizeof(T))) % 128 == 0 || C * int(sizeof(T)) == 64 ||
+                                       C * int(sizeof(T)) == 32;
+template <typename T, int C>
 consteval int pick_swizzle_bytes() {
-  constexpr int row_bytes = C * int(sizeof(T));
-  static_assert(row_bytes % 128 == 0 || row_bytes == 64 || row_bytes == 32,
-                "shared tile rows must span 32, 64 or a multiple of 128 bytes (the TMA/wgmma swizzle widths)");
-  return row_bytes >= 128 ? 128 : row_bytes;
+  return C * int(sizeof(T)) >= 128 ? 128 : C * int(sizeof(T));
 }
 
 // Non-owning view of a swizzled shared tile; ChunkRows is the row count of the storage it lives in
@@ -25,6 +25,8 @@ consteval int pick_swizzle_bytes() {
 template <element T, int R, int C, int ChunkRows = R>
 struct st_ref {
   using ref_t = st_ref;
+  static_assert(swizzlable_row<T, C>,
+                "shared tile rows must span 32, 64 or a multiple of 128 bytes (the TMA/wgmma swizzle widths)");
   static_assert(R % 8 == 0, "shared tile rows must be a multiple of 8 (one swizzle atom)");
   using dtype = T;
   static constexpr int rows = R;
@@ -62,6 +64,9 @@ struct st_ref {
 // Owning shared tile; place it in dynamic shared memory (1024-byte aligned for 128B swizzle atoms).
 template <element T, int R, int C>
 struct alignas(1024) st {
+  static_assert(swizzlable_row<T, C>,
+                "shared tile rows must span 32, 64 or a multiple of 128 bytes (the TMA/wgmma swizzle widths)");
+  static_assert(R % 8 == 0, "shared tile rows must be a multiple of 8 (one swizzle atom)");
   using ref_t = st_ref<T, R, C, R>;
   using dtype = T;
   static constexpr int rows = R, cols = C, bytes = R * C * int(sizeof(T));
