@@ -32,7 +32,9 @@ _VARLEN_ARGS = (
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
 # Split-KV decode: work_items / cta_start come from decode_plan.build_work_list; partial_out / partial_lse
-# are its workspace (see decode_plan's docstring for their layout and the merge).
+# are its workspace (see decode_plan's docstring for their layout and the merge). This is the contract of the
+# split-KV decode kernel, which is not written yet: no CUDA implementation is registered, and
+# flash_attn_with_kvcache runs on the paged prefill kernel meanwhile.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor work_items, Tensor cta_start, Tensor(a!) partial_out, Tensor(b!) partial_lse, int chunk_tokens, "
