@@ -32,9 +32,9 @@ _VARLEN_ARGS = (
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
 # Split-KV decode: work_items / cta_start come from decode_plan.build_work_list; partial_out / partial_lse
-# are its workspace (see decode_plan's docstring for their layout and the merge). This is the contract of the
-# split-KV decode kernel, which is not written yet: no CUDA implementation is registered, and
-# flash_attn_with_kvcache runs on the paged prefill kernel meanwhile.
+# are its workspace (see decode_plan's docstring for their layout and the merge). The kernel
+# (csrc/kernels/decode.cu) is compiled but not yet verified on a GPU: it is reached through _decode_split
+# (GPU tests), while flash_attn_with_kvcache runs on the paged prefill kernel until it is.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor work_items, Tensor cta_start, Tensor(a!) partial_out, Tensor(b!) partial_lse, int chunk_tokens, "
@@ -396,6 +396,38 @@ def _device_properties(index: int) -> tuple[int, str]:
 def _device_info(device: torch.device) -> tuple[int, str]:
     """(SM count, name) of a CUDA device, queried once: the persistent grid and the config table depend on it."""
     return _device_properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_workspaces: dict[tuple[decode_plan.DecodePlan, torch.device], decode_plan.DecodeWorkspace] = {}
+
+
+def _workspace(plan: decode_plan.DecodePlan, device: torch.device) -> decode_plan.DecodeWorkspace:
+    """One workspace per plan and device, allocated on first use (before graph capture) and reused."""
+    key = (plan, device)
+    if key not in _workspaces:
+        _workspaces[key] = decode_plan.DecodeWorkspace.allocate(plan, device)
+    return _workspaces[key]
+
+
+def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out):
+    """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows)."""
+    bsz, q_len, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    num_sms, device_name = _device_info(q.device)
+    max_context = block_table.shape[1] * block_size
+    plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0], num_splits,
+                                 device_name)
+    workspace = _workspace(plan, q.device)
+    decode_plan.build_work_list(plan, cache_seqlens, workspace)
+    q = _addressable_copy(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
+    torch.ops.tk.attn_decode(
+        q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
+        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, scale, causal, window[0], window[1],
+        softcap, out, lse,
+    )
+    return out, lse
 
 
 def flash_attn_with_kvcache(

@@ -32,4 +32,32 @@ struct attn_varlen_problem {
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream);
 
+// Split-KV paged decode over a work list (tk_backend/decode_plan.py: items (sequence, kv head, key start,
+// key end), CTA c runs items [cta_start[c], cta_start[c + 1])), then the LSE merge into out / lse.
+struct attn_decode_problem {
+  dtype type;
+  int head_dim;
+  const void* q;  // [batch, q_len, hq, D]
+  long q_strides[3];
+  const void* k;  // pages [num_blocks, block_size, hkv, D]
+  const void* v;
+  long k_strides[3], v_strides[3];  // block, token-in-block, head
+  const int* cache_seqlens;         // [batch]
+  const int* block_table;           // [batch, bt_stride]
+  long bt_stride;
+  const int* work_items;  // [max_items, 4]
+  const int* cta_start;   // [num_ctas + 1]
+  float* partial_out;     // [max_items, q_len * group, D]
+  float* partial_lse;     // [max_items, q_len * group]
+  void* out;              // [batch, q_len, hq, D]
+  long out_strides[3];
+  float* lse;  // [batch, hq, q_len] contiguous
+  int batch, q_len, hq, hkv, num_blocks, block_size, max_items, max_splits, num_ctas;
+  bool causal;
+  int window_left, window_right;
+  float softmax_scale, softcap;
+};
+
+void attn_decode(const attn_decode_problem& p, cudaStream_t stream);
+
 }  // namespace tk

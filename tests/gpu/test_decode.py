@@ -74,3 +74,42 @@ def test_decode_graph_replay(seed):
         torch.cuda.synchronize()
         ref = reference.decode(q, k_cache, v_cache, seqlens, table)[0]
         assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"graph replay seed={seed}")
+
+
+# ---- the split-KV decode kernel (csrc/kernels/decode.cu), reached directly until it backs the public op ----
+
+from tk_backend import attention as _attention  # noqa: E402
+
+
+@pytest.mark.parametrize("q_len,group", [(1, 4), (1, 8), (4, 8), (16, 4)])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_split_decode(q_len, group, block_size, num_splits, seed):
+    rng = random.Random(seed)
+    batch, hkv, d = 5, 2, 128
+    contexts = [rng.choice([q_len, rng.randint(q_len, 700), rng.randint(2000, 30000)]) for _ in range(batch)]
+    k_cache, v_cache, table = _cache(rng, batch, contexts, block_size, hkv, d)
+    q = torch.randn(batch, q_len, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    _, lse = _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0,
+                                      num_splits, out)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
+    what = f"split decode q_len={q_len} group={group} bs={block_size} splits={num_splits} ctx={contexts} seed={seed}"
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
+    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("window,softcap", [((-1, -1), 0.0), ((200, 0), 0.0), ((-1, -1), 25.0)])
+def test_split_decode_head_dims_window_softcap(d, window, softcap, seed):
+    rng = random.Random(seed)
+    contexts = [rng.randint(1, 5000) for _ in range(3)]
+    k_cache, v_cache, table = _cache(rng, 3, contexts, 32, 2, d, torch.float16)
+    q = torch.randn(3, 2, 8, d, device="cuda", dtype=torch.float16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda").clamp_min(2)
+    out, _ = _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, window, softcap, 0, None)
+    torch.cuda.synchronize()
+    ref = reference.decode(q, k_cache, v_cache, seqlens, table, window_size=window, softcap=softcap)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"split d={d} window={window} softcap={softcap} seed={seed}")

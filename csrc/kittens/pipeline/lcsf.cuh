@@ -16,7 +16,9 @@
 //                         int consumer);
 //     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
 //   };
-//   Optional: static void compute_first(consumer_state&, input_block&, scratch_block&, const globals&,
+//   Optional: static int2 task_range(const globals&, int cta, int ctas): this CTA runs tasks [x, y) in order
+//   (a precomputed, balanced split) instead of every ctas-th task from its index,
+//   static void compute_first(consumer_state&, input_block&, scratch_block&, const globals&,
 //   const task_t&, int consumer) for a task's first stage (else compute(..., 0, ...)),
 //   static void init_scratch(scratch_block&) (one thread, before the block starts; e.g. semaphores),
 //   static void init_state(consumer_state&, int consumer) (once; finish leaves the state ready for the next task),
@@ -90,10 +92,16 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   if constexpr (cluster > 1) cluster_sync();
   else __syncthreads();
 
-  const int num_tasks = K::task_count(g);
   const int rank = cluster > 1 ? cluster_rank() : 0;
-  const int first = cluster > 1 ? cluster_id_x() : int(blockIdx.x);
-  const int step = cluster > 1 ? cluster_count_x() : int(gridDim.x);
+  const int cta = cluster > 1 ? cluster_id_x() : int(blockIdx.x);
+  const int ctas = cluster > 1 ? cluster_count_x() : int(gridDim.x);
+  int first = cta, num_tasks, step = ctas;
+  if constexpr (requires { K::task_range(g, cta, ctas); }) {
+    const int2 range = K::task_range(g, cta, ctas);
+    first = range.x, num_tasks = range.y, step = 1;
+  } else {
+    num_tasks = K::task_count(g);
+  }
   const int role = warpgroupid();
   if (role == K::consumers) {  // producer
     warpgroup::decrease_registers<producer_registers<K>>();

@@ -1,0 +1,109 @@
+// torch.library CUDA implementation of tk::attn_decode (schema in tk_backend/attention.py).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+#include "../kernels/attention.h"
+#include "checks.h"
+
+namespace {
+
+namespace chk = tk::checks;
+
+void int32_contiguous(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  chk::same_device(t, q, name, "q");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+void float_contiguous(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  chk::same_device(t, q, name, "q");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& cache_seqlens, const at::Tensor& block_table, const at::Tensor& work_items,
+                 const at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
+                 double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+                 at::Tensor& out, at::Tensor& lse) {
+  chk::cuda(q, "q");
+  chk::half_or_bf16(q, "q");
+  chk::rank(q, 4, "q");
+  chk::rank(k_cache, 4, "k_cache");
+  chk::rank(v_cache, 4, "v_cache");
+  chk::same_dtype(k_cache, q, "k_cache", "q");
+  chk::same_dtype(v_cache, q, "v_cache", "q");
+  chk::same_dtype(out, q, "out", "q");
+  chk::same_device(k_cache, q, "k_cache", "q");
+  chk::same_device(v_cache, q, "v_cache", "q");
+  chk::same_device(out, q, "out", "q");
+  const int64_t batch = q.size(0), q_len = q.size(1), hq = q.size(2), d = q.size(3), hkv = k_cache.size(2);
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, "head dim must be 64, 128 or 256, got ", d);
+  TORCH_CHECK(k_cache.size(3) == d && v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be [blocks, ",
+              "block_size, kv_heads, ", d, "]");
+  TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "q heads (", hq, ") must be a multiple of kv heads (", hkv, ")");
+  const int64_t group = hq / hkv, rows = q_len * group;
+  TORCH_CHECK(rows <= 64, "the split decode kernel packs q_len x (q heads per kv head) <= 64 rows, got ", rows);
+  TORCH_CHECK(k_cache.size(1) % 16 == 0, "block size must be a multiple of 16, got ", k_cache.size(1));
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  chk::tma_rows(q, "q");
+  chk::tma_rows(k_cache, "k_cache");
+  chk::tma_rows(v_cache, "v_cache");
+  int32_contiguous(cache_seqlens, q, "cache_seqlens");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.size(0) == batch &&
+                  block_table.stride(1) == 1,
+              "block_table must be int32 [batch, max_blocks] with contiguous rows");
+  int32_contiguous(work_items, q, "work_items");
+  int32_contiguous(cta_start, q, "cta_start");
+  TORCH_CHECK(work_items.dim() == 2 && work_items.size(1) == 4, "work_items must be [max_items, 4]");
+  const int64_t max_items = work_items.size(0);
+  TORCH_CHECK(max_items % (batch * hkv) == 0, "work_items must hold batch x kv_heads x max_splits slots");
+  float_contiguous(partial_out, q, "partial_out");
+  float_contiguous(partial_lse, q, "partial_lse");
+  TORCH_CHECK(partial_out.numel() == max_items * rows * d && partial_lse.numel() == max_items * rows,
+              "partial_out / partial_lse must be [max_items, q_len, group, D] / [max_items, q_len, group]");
+  float_contiguous(lse, q, "lse");
+  TORCH_CHECK(lse.numel() == batch * hq * q_len, "lse must be [batch, q_heads, q_len]");
+  (void)chunk_tokens;  // the work list already holds each item's key range
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  tk::attn_decode_problem p{};
+  p.type = q.scalar_type() == at::kBFloat16 ? tk::dtype::bf16 : tk::dtype::f16;
+  p.head_dim = int(d);
+  p.q = q.data_ptr();
+  for (int i = 0; i < 3; i++) {
+    p.q_strides[i] = q.stride(i);
+    p.k_strides[i] = k_cache.stride(i);
+    p.v_strides[i] = v_cache.stride(i);
+    p.out_strides[i] = out.stride(i);
+  }
+  p.k = k_cache.data_ptr();
+  p.v = v_cache.data_ptr();
+  p.cache_seqlens = cache_seqlens.data_ptr<int>();
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.stride(0);
+  p.work_items = work_items.data_ptr<int>();
+  p.cta_start = cta_start.data_ptr<int>();
+  p.partial_out = partial_out.data_ptr<float>();
+  p.partial_lse = partial_lse.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.batch = int(batch);
+  p.q_len = int(q_len);
+  p.hq = int(hq);
+  p.hkv = int(hkv);
+  p.num_blocks = int(k_cache.size(0));
+  p.block_size = int(k_cache.size(1));
+  p.max_items = int(max_items);
+  p.max_splits = int(max_items / (batch * hkv));
+  p.num_ctas = int(cta_start.size(0) - 1);
+  p.causal = causal;
+  p.window_left = int(window_left);
+  p.window_right = int(window_right);
+  p.softmax_scale = float(softmax_scale);
+  p.softcap = float(softcap);
+  tk::attn_decode(p, c10::cuda::getCurrentCUDAStream());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tk, CUDA, m) { m.impl("attn_decode", &attn_decode); }

@@ -1,0 +1,78 @@
+// Pieces shared by the attention kernels (prefill and decode): which keys a query sees, and the online
+// softmax step over one score tile.
+#pragma once
+#include <cfloat>
+#include "../kittens/kittens.cuh"
+
+namespace tk::attn {
+
+inline constexpr float LOG2E = 1.4426950408889634f;
+inline constexpr float LN2 = 0.6931471805599453f;
+
+// Key c of a sequence with lk keys is visible to query q (0-based among its lq queries) under flash-attn's
+// bottom-right alignment (offset = lk - lq), a causal mask and a (left, right) window (-1: unbounded).
+// Packed: score-tile rows hold several rows per query (decode packs a KV head's query heads), query =
+// row / per_query; otherwise row = query.
+template <bool Packed = false>
+struct visibility {
+  int lk, offset, left, right, per_query;
+  bool causal;
+
+  __device__ __forceinline__ int query(int row) const { return Packed ? row / per_query : row; }
+  __device__ __forceinline__ bool operator()(int row, int c) const {
+    const int q = query(row);
+    return c < lk && (!causal || c <= q + offset) && (left < 0 || c >= q + offset - left) &&
+           (right < 0 || c <= q + offset + right);
+  }
+  // Does the tile [row0, row0 + rows) x [col0, col0 + cols) hide any key from any of its rows?
+  __device__ __forceinline__ bool partial(int row0, int rows, int col0, int cols) const {
+    const int q_lo = query(row0), q_hi = query(row0 + rows - 1), c_hi = col0 + cols - 1;
+    return c_hi >= lk || (causal && c_hi > q_lo + offset) || (left >= 0 && col0 < q_hi + offset - left) ||
+           (right >= 0 && c_hi > q_lo + offset + right);
+  }
+};
+
+// How raw q.k scores become exp2 arguments: times scale * log2(e), or with a softcap
+// softcap * tanh(score * scale / softcap) first (then times log2(e)).
+struct scoring {
+  float scale_log2, softcap;
+  __device__ __forceinline__ float exp_scale() const { return softcap > 0.f ? LOG2E : scale_log2; }
+};
+
+// One online-softmax step on a warp's score tile `att` whose first row / column are row0 / col0:
+// masks what `vis` hides (only when the tile needs it), folds the tile into the running max m and sum l,
+// turns att into unnormalised probabilities and leaves in `rescale` the factor the output accumulated so
+// far must take. m is kept in score units; a row that has seen no key yet keeps m = -inf.
+template <typename S, typename V, typename Visibility>
+__device__ __forceinline__ void online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
+                                               const Visibility& vis, int row0, int col0) {
+  using namespace kittens;
+  if (sc.softcap > 0.f) {
+    const float pre = sc.scale_log2 / LOG2E / sc.softcap, cap = sc.softcap;
+    map(att, att, [pre, cap](float x) { return cap * tanhf(x * pre); });
+  }
+  if (vis.partial(row0, S::rows, col0, S::cols)) mask(att, att, row0, col0, vis, -INFINITY);
+  const float es = sc.exp_scale();
+  V m_new, base, sum;
+  row_max(m_new, att, m);
+  map(base, m_new, [es](float x) { return x == -INFINITY ? 0.f : x * es; });  // a row masked so far: 0
+  map(rescale, m, base, [es](float x, float b) { return fast_exp2(x * es - b); });
+  map_row(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
+  row_sum(sum, att);
+  map(l, l, rescale, [](float x, float r) { return x * r; });
+  add(l, l, sum);
+  copy(m, m_new);
+}
+
+// o /= l, and the natural-log LSE of each row (-inf and o = 0 for a row that saw no key).
+template <typename O, typename V>
+__device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l, const scoring& sc) {
+  using namespace kittens;
+  V inv;
+  map(inv, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+  mul_row(o, o, inv);
+  const float es = sc.exp_scale();
+  map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + log2f(x)) * LN2 : -INFINITY; });
+}
+
+}  // namespace tk::attn
