@@ -26,12 +26,9 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   chk::cuda(q, "q");
   chk::half_or_bf16(q, "q");
   chk::rank(q, 3, "q");
-  chk::same_dtype(k, q, "k", "q");
-  chk::same_dtype(v, q, "v", "q");
-  chk::same_dtype(out, q, "out", "q");
-  chk::same_device(k, q, "k", "q");
-  chk::same_device(v, q, "v", "q");
-  chk::same_device(out, q, "out", "q");
+  chk::like(k, q, "k", "q");
+  chk::like(v, q, "v", "q");
+  chk::like(out, q, "out", "q");
   const bool paged = block_table.has_value();
   chk::rank(k, paged ? 4 : 3, "k");
   chk::rank(v, paged ? 4 : 3, "v");

@@ -22,6 +22,11 @@ inline void same_device(const at::Tensor& t, const at::Tensor& ref, const char* 
   TORCH_CHECK(t.device() == ref.device(), name, " must be on ", ref_name, "'s device (", ref.device(), "), got ",
               t.device());
 }
+// Same dtype and device as `ref` (the tensor whose kind every other operand must follow).
+inline void like(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
+  same_dtype(t, ref, name, ref_name);
+  same_device(t, ref, name, ref_name);
+}
 inline void rank(const at::Tensor& t, int64_t r, const char* name) {
   TORCH_CHECK(t.dim() == r, name, " must have ", r, " dimensions, got ", t.dim());
 }

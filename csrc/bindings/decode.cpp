@@ -30,12 +30,9 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   chk::rank(q, 4, "q");
   chk::rank(k_cache, 4, "k_cache");
   chk::rank(v_cache, 4, "v_cache");
-  chk::same_dtype(k_cache, q, "k_cache", "q");
-  chk::same_dtype(v_cache, q, "v_cache", "q");
-  chk::same_dtype(out, q, "out", "q");
-  chk::same_device(k_cache, q, "k_cache", "q");
-  chk::same_device(v_cache, q, "v_cache", "q");
-  chk::same_device(out, q, "out", "q");
+  chk::like(k_cache, q, "k_cache", "q");
+  chk::like(v_cache, q, "v_cache", "q");
+  chk::like(out, q, "out", "q");
   const int64_t batch = q.size(0), q_len = q.size(1), hq = q.size(2), d = q.size(3), hkv = k_cache.size(2);
   TORCH_CHECK(d == 64 || d == 128 || d == 256, "head dim must be 64, 128 or 256, got ", d);
   TORCH_CHECK(k_cache.size(3) == d && v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be [blocks, ",

@@ -15,10 +15,8 @@ void gemm_out(const at::Tensor& a, const at::Tensor& b, bool trans_b, at::Tensor
   chk::rank(a, 2, "a");
   chk::rank(b, 2, "b");
   chk::rank(out, 2, "out");
-  chk::same_dtype(b, a, "b", "a");
-  chk::same_dtype(out, a, "out", "a");
-  chk::same_device(b, a, "b", "a");
-  chk::same_device(out, a, "out", "a");
+  chk::like(b, a, "b", "a");
+  chk::like(out, a, "out", "a");
   const int64_t m = a.size(0), k = a.size(1), n = trans_b ? b.size(0) : b.size(1);
   TORCH_CHECK((trans_b ? b.size(1) : b.size(0)) == k, "b's reduction dimension must equal a.shape[1] = ", k,
               ", got b of shape ", b.sizes(), (trans_b ? " with trans_b=True" : ""));
