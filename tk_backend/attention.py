@@ -32,9 +32,8 @@ _VARLEN_ARGS = (
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
 # Split-KV decode: work_items / cta_start come from decode_plan.build_work_list; partial_out / partial_lse
-# are its workspace (see decode_plan's docstring for their layout and the merge). The kernel
-# (csrc/kernels/decode.cu) is compiled but not yet verified on a GPU: it is reached through _decode_split
-# (GPU tests), while flash_attn_with_kvcache runs on the paged prefill kernel until it is.
+# are its workspace (see decode_plan's docstring for their layout and the merge). The kernel is
+# csrc/kernels/decode.cu; flash_attn_with_kvcache reaches it through _decode_split.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor work_items, Tensor cta_start, Tensor(a!) partial_out, Tensor(b!) partial_lse, int chunk_tokens, "
@@ -447,9 +446,9 @@ def flash_attn_with_kvcache(
     """Paged decode: q [B, q_len, Hq, D] (q_len 1..16) against caches [num_blocks, block_size, Hkv, D].
 
     The q_len new tokens are the last q_len of each sequence's cache_seqlens[b] cached tokens (they must
-    already be written to the cache). For now this runs on the paged prefill kernel (one query block per
-    sequence and head, no split over the KV length), so num_splits is validated but not used; the split-KV
-    plan for the dedicated decode kernel is decode_plan's. Returns out [B, q_len, Hq, D], or
+    already be written to the cache). When the q_len x (Hq / Hkv) query rows of a kv head fit one 64-row
+    tile, this runs the split-KV decode kernel on decode_plan's per-shape plan (num_splits > 0 forces the
+    split count); larger groups run on the paged prefill kernel. Returns out [B, q_len, Hq, D], or
     (out, lse [B, Hq, q_len] float32) with return_softmax_lse.
     """
     scale, window, softcap = validate_decode(
@@ -460,8 +459,12 @@ def flash_attn_with_kvcache(
     num_blocks, block_size, hkv, _ = k_cache.shape
     if _block_table_check_wanted(block_table):
         check_block_table(block_table, cache_seqlens, num_blocks, block_size)
-    # Until the split-KV decode kernel lands (decode_plan holds its planner), decode runs on the paged prefill
-    # kernel: each sequence's q_len queries are the last q_len positions of its cache_seqlens[b] keys.
+    if q_len * (hq // hkv) <= 64 and os.environ.get("TK_DECODE_KERNEL", "split") != "prefill":
+        out, lse = _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap,
+                                 num_splits, out)
+        return (out, lse) if return_softmax_lse else out
+    # Too many rows per kv head for one tile (or TK_DECODE_KERNEL=prefill, a debugging fallback): the paged
+    # prefill kernel, where each sequence's q_len queries are the last q_len positions of its keys.
     max_context = block_table.shape[1] * block_size
     cu_q = torch.arange(0, (bsz + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
     flat_out = out.view(bsz * q_len, hq, d) if out is not None and out.is_contiguous() else None
