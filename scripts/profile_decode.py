@@ -1,0 +1,42 @@
+"""Profile one paged-decode shape: plan, per-kernel CUDA times (torch profiler), for use under ncu.
+
+    python scripts/profile_decode.py B CTX HQ HKV [--iters N]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import tk_backend
+from tk_backend import attention, decode_plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", nargs=4, type=int)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--page", type=int, default=16)
+    args = ap.parse_args()
+    b, ctx, hq, hkv = args.shape
+    d, page = 128, args.page
+    blocks = b * ctx // page
+    k = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // page)
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    num_sms, name = attention._device_info(q.device)
+    print(decode_plan.make_plan(b, ctx, 1, hq, hkv, d, page, num_sms, -1, 0, name))
+    for _ in range(3):
+        tk_backend.flash_attn_with_kvcache(q, k, v, lens, table)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.iters):
+            tk_backend.flash_attn_with_kvcache(q, k, v, lens, table)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
