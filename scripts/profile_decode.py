@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+import sys
+from pathlib import Path
+
 import torch
 
 import tk_backend
@@ -35,6 +38,32 @@ def main() -> None:
         for _ in range(args.iters):
             tk_backend.flash_attn_with_kvcache(q, k, v, lens, table)
         torch.cuda.synchronize()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchlib import time_per_call
+
+    scale = d ** -0.5
+    plan = decode_plan.make_plan(b, ctx, 1, hq, hkv, d, page, num_sms, -1, 0, name)
+    ws = attention._workspace(plan, q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")
+
+    def kernel_only(i):
+        torch.ops.tk.attn_decode(q, k, v, lens, table, ws.work_items, ws.cta_start, ws.partial_out, ws.partial_lse,
+                                 plan.chunk_tokens, scale, True, -1, -1, 0.0, out, lse)
+
+    parts = {
+        "public op": lambda i: tk_backend.flash_attn_with_kvcache(q, k, v, lens, table),
+        "attn_decode op only": kernel_only,
+        "build_work_list only": lambda i: decode_plan.build_work_list(plan, lens, ws),
+    }
+    for label, call in parts.items():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            call(0)
+        end.record()
+        torch.cuda.synchronize()
+        print(f"{label:24s} eager {start.elapsed_time(end) / 50 * 1e3:8.1f} us   graph {time_per_call(call, 1) * 1e3:8.1f} us")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
