@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from benchlib import ROOT, merge_results, print_table  # noqa: E402
 
-FAMILIES = {"gemm": "benches.gemm", "attn_prefill": "benches.attention", "attn_decode": "benches.decode"}
+FAMILIES = {"gemm": "benches.gemm", "attn_prefill": "benches.attention", "attn_decode": "benches.decode", "based": "benches.based",
+            "mamba2_ssd": "benches.mamba2"}
 
 
 def main() -> int:

@@ -31,14 +31,15 @@ _VARLEN_ARGS = (
 )
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
-# Split-KV decode: work_items / cta_start come from decode_plan.build_work_list; partial_out / partial_lse
-# are its workspace (see decode_plan's docstring for their layout and the merge). The kernel is
-# csrc/kernels/decode.cu; flash_attn_with_kvcache reaches it through _decode_split.
+# Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
+# and the plan's chunk_tokens / item_overhead exactly as decode_plan.build_work_list does (a schedule kernel),
+# then runs the kernel and merges partial_out / partial_lse (see decode_plan's docstring for their layout).
+# The kernels are csrc/kernels/decode.cu; flash_attn_with_kvcache reaches them through _decode_split.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
-    "Tensor work_items, Tensor cta_start, Tensor(a!) partial_out, Tensor(b!) partial_lse, int chunk_tokens, "
-    "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
-    "Tensor(c!) out, Tensor(d!) lse) -> ()"
+    "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
+    "int chunk_tokens, int item_overhead, float softmax_scale, bool causal, int window_left, int window_right, "
+    "float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
 )
 
 
@@ -417,14 +418,13 @@ def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal
     plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0], num_splits,
                                  device_name)
     workspace = _workspace(plan, q.device)
-    decode_plan.build_work_list(plan, cache_seqlens, workspace)
     q = _addressable_copy(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
     torch.ops.tk.attn_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
-        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, scale, causal, window[0], window[1],
-        softcap, out, lse,
+        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens, scale, causal,
+        window[0], window[1], softcap, out, lse,
     )
     return out, lse
 

@@ -7,7 +7,8 @@ Two halves, so that decode can be captured in a CUDA graph for a fixed batch siz
   number of persistent CTAs (the SM count), and so every workspace size.
 * `build_work_list` (device, per step): reads the per-sequence context lengths, which exist only on the
   device, and fills a preallocated `DecodeWorkspace` with torch ops only: no host sync, no data-dependent
-  shapes, the same kernels on every replay.
+  shapes, the same kernels on every replay. The decode op's schedule kernel (csrc/kernels/decode.cu) computes
+  exactly this in one launch; this version is its specification and the CPU tests' subject.
 
 Work decomposition
     A segment is (sequence b, kv head h): all q_len * (Hq // Hkv) query rows that read kv head h, against the
@@ -240,7 +241,7 @@ def build_work_list(plan: DecodePlan, cache_seqlens: torch.Tensor, workspace: De
     ctas = plan.num_ctas
     bounds = torch.searchsorted(before * ctas, torch.arange(ctas, device=dev) * total)
     workspace.cta_start[:ctas].copy_(bounds)
-    workspace.cta_start[ctas] = plan.max_items
+    workspace.cta_start[ctas:].fill_(plan.max_items)
 
 
 def merge_partials(

@@ -254,14 +254,29 @@ def selective_state_update(
     z: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
+    state_batch_indices: torch.Tensor | None = None,
+    pad_slot_id: int = -1,
 ) -> torch.Tensor:
     """mamba_ssm's selective_state_update (multi-head form): one decode step; updates `state` in place.
+
+    With state_batch_indices, batch row b reads and writes state row state_batch_indices[b] (vLLM's cache
+    slots); rows whose index is pad_slot_id are skipped (their y is 0 here and their state untouched).
 
     state [batch, h, p, n], x [batch, h, p], dt [batch, h, p] or [batch, h], A [h, p, n] or [h],
     B/C [batch, g, n], D [h, p] or [h], z [batch, h, p], dt_bias [h, p] or [h]. Returns y [batch, h, p]
     in float32. As in mamba_ssm there is no dt clamp here (the chunked scan clamps to dt_limit); the two
     agree whenever dt' >= 0, e.g. with dt_softplus=True.
     """
+    if state_batch_indices is not None:
+        idx = state_batch_indices.long()
+        keep = idx != pad_slot_id
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        rows = state[idx[keep]].clone()
+        pick = lambda t: None if t is None else t[keep]  # noqa: E731
+        y[keep] = selective_state_update(rows, x[keep], dt[keep], A, B[keep], C[keep], D, pick(z), dt_bias,
+                                         dt_softplus)
+        state[idx[keep]] = rows.to(state.dtype)
+        return y
     heads, headdim = state.shape[1], state.shape[2]
     if dt.dim() == 2:
         dt = dt[:, :, None].expand(-1, -1, headdim)

@@ -21,8 +21,9 @@ void float_contiguous(const at::Tensor& t, const at::Tensor& q, const char* name
 }
 
 void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& cache_seqlens, const at::Tensor& block_table, const at::Tensor& work_items,
-                 const at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
+                 const at::Tensor& cache_seqlens, const at::Tensor& block_table, at::Tensor& work_items,
+                 at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
+                 int64_t item_overhead,
                  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
                  at::Tensor& out, at::Tensor& lse) {
   chk::cuda(q, "q");
@@ -60,7 +61,10 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
               "partial_out / partial_lse must be [max_items, q_len, group, D] / [max_items, q_len, group]");
   float_contiguous(lse, q, "lse");
   TORCH_CHECK(lse.numel() == batch * hq * q_len, "lse must be [batch, q_heads, q_len]");
-  (void)chunk_tokens;  // the work list already holds each item's key range
+  TORCH_CHECK(chunk_tokens > 0 && chunk_tokens % k_cache.size(1) == 0,
+              "chunk_tokens must be a positive multiple of the block size, got ", chunk_tokens);
+  TORCH_CHECK(item_overhead >= 0, "item_overhead must be >= 0, got ", item_overhead);
+  const int64_t max_context = block_table.size(1) * k_cache.size(1);
 
   const c10::cuda::CUDAGuard guard(q.device());
   tk::attn_decode_problem p{};
@@ -93,6 +97,9 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.max_items = int(max_items);
   p.max_splits = int(max_items / (batch * hkv));
   p.num_ctas = int(cta_start.size(0) - 1);
+  p.chunk_tokens = int(chunk_tokens);
+  p.item_overhead = int(item_overhead);
+  p.max_context = int(max_context);
   p.causal = causal;
   p.window_left = int(window_left);
   p.window_right = int(window_right);

@@ -45,14 +45,15 @@ struct attn_decode_problem {
   const int* cache_seqlens;         // [batch]
   const int* block_table;           // [batch, bt_stride]
   long bt_stride;
-  const int* work_items;  // [max_items, 4]
-  const int* cta_start;   // [num_ctas + 1]
+  int* work_items;  // [max_items, 4], written by the schedule kernel
+  int* cta_start;   // [num_ctas + 1], written by the schedule kernel
   float* partial_out;     // [max_items, q_len * group, D]
   float* partial_lse;     // [max_items, q_len * group]
   void* out;              // [batch, q_len, hq, D]
   long out_strides[3];
   float* lse;  // [batch, hq, q_len] contiguous
   int batch, q_len, hq, hkv, num_blocks, block_size, max_items, max_splits, num_ctas;
+  int chunk_tokens, item_overhead, max_context;  // the plan (tk_backend/decode_plan.py)
   bool causal;
   int window_left, window_right;
   float softmax_scale, softcap;

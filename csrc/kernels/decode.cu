@@ -3,6 +3,8 @@
 // query head of the group shares each K/V load and one wgmma. CTA c runs the items the plan gave it, in
 // order, while its producer streams the item's keys page piece by page piece (16 rows, any block size).
 // Each item leaves a normalised partial output and its LSE; a small kernel then merges a segment's items.
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include "../kittens/kittens.cuh"
 #include "attention.h"
 #include "attention_common.cuh"
@@ -155,36 +157,108 @@ struct attn_decode_split {
   }
 };
 
-// The LSE merge of a segment's items: one block per (sequence, kv head), a thread per (row, column).
-template <typename T>
-__global__ void merge_partials(const int* __restrict__ work_items, const float* __restrict__ partial_out,
-                               const float* __restrict__ partial_lse, T* __restrict__ out, long os0, long os1,
-                               long os2, float* __restrict__ lse, int q_len, int group, int hq, int hkv, int max_splits,
-                               int d) {
-  const int seg = blockIdx.x, b = seg / hkv, h = seg % hkv, rows = q_len * group;
-  const int first = seg * max_splits;
-  for (int idx = threadIdx.x; idx < rows * d; idx += blockDim.x) {
-    const int r = idx / d, col = idx % d;
-    float m = -INFINITY;
-    for (int s = 0; s < max_splits; s++) {
-      const int4 w = reinterpret_cast<const int4*>(work_items)[first + s];
-      if (w.w > w.z) m = fmaxf(m, partial_lse[long(first + s) * rows + r]);
-    }
-    float acc = 0.f, weight = 0.f;
-    if (m != -INFINITY) {
-      for (int s = 0; s < max_splits; s++) {
-        const int4 w = reinterpret_cast<const int4*>(work_items)[first + s];
-        if (w.w <= w.z) continue;
-        const float x = partial_lse[long(first + s) * rows + r];
-        const float wgt = x == -INFINITY ? 0.f : __expf(x - m);
-        weight += wgt;
-        acc += wgt * partial_out[(long(first + s) * rows + r) * d + col];
-      }
-    }
-    const int tok = r / group, head = h * group + r % group;
-    out[b * os0 + tok * os1 + head * os2 + col] = kittens::convert<T>(weight > 0.f ? acc / weight : 0.f);
-    if (col == 0) lse[(long(b) * hq + head) * q_len + tok] = weight > 0.f ? m + __logf(weight) : -INFINITY;
+// The work list of decode_plan.build_work_list, built on the device in one launch (one block): slot
+// ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned key range of sequence b that intersects its
+// visible keys [lo_b, L_b), and CTA c runs the slots whose cost prefix `before` has
+// c * total <= ctas * before < (c + 1) * total (cost = keys + a fixed overhead per non-empty item).
+constexpr int SCHEDULE_THREADS = 1024;
+
+__global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_decode_problem p) {
+  using scan_t = cub::BlockScan<long long, SCHEDULE_THREADS>;
+  using reduce_t = cub::BlockReduce<long long, SCHEDULE_THREADS>;
+  __shared__ union {
+    typename scan_t::TempStorage scan;
+    typename reduce_t::TempStorage reduce;
+  } storage;
+  __shared__ long long carry, total_cost;
+  const int n = p.max_items, per_seq = p.hkv * p.max_splits, ctas = p.num_ctas;
+  auto item = [&](int i, int4& w) -> long long {  // the slot's key range and cost
+    const int b = i / per_seq, s = i % p.max_splits;
+    const int length = min(max(p.cache_seqlens[b], 0), p.max_context);
+    const int lo = p.window_left >= 0 ? max(length - p.q_len - p.window_left, 0) : 0;
+    const int first = lo / p.chunk_tokens, chunks = ceil_div(length, p.chunk_tokens) - first;
+    const int aligned = (first + s) * p.chunk_tokens;
+    const bool used = s < chunks;
+    w = make_int4(b, (i / p.max_splits) % p.hkv, used ? max(aligned, lo) : 0,
+                  used ? min(aligned + p.chunk_tokens, length) : 0);
+    return used ? (w.w - w.z) + p.item_overhead : 0;
+  };
+  // Pass 1: the total cost (and the work items themselves).
+  long long mine = 0;
+  for (int i = threadIdx.x; i < n; i += SCHEDULE_THREADS) {
+    int4 w;
+    mine += item(i, w);
+    reinterpret_cast<int4*>(p.work_items)[i] = w;
   }
+  const long long total = reduce_t(storage.reduce).Sum(mine);
+  if (threadIdx.x == 0) total_cost = total, carry = 0;
+  __syncthreads();
+  if (total_cost == 0) {  // nothing to do: every CTA gets an empty range
+    for (int c = threadIdx.x; c <= ctas; c += SCHEDULE_THREADS) p.cta_start[c] = c == ctas ? n : 0;
+    return;
+  }
+  // Pass 2: slot i owns the CTAs c with ctas * before_i < c * total <= ctas * (before_i + cost_i), which start at
+  // slot i + 1; CTA 0 starts at slot 0. The intervals partition (0, ctas], so every entry is written once.
+  if (threadIdx.x == 0) p.cta_start[0] = 0;
+  for (int base = 0; base < n; base += SCHEDULE_THREADS) {
+    const int i = base + threadIdx.x;
+    int4 w;
+    const long long cost = i < n ? item(i, w) : 0;
+    long long before, tile_total;
+    scan_t(storage.scan).ExclusiveSum(cost, before, tile_total);
+    before += carry;
+    if (i < n) {
+      const long long lo = before * ctas / total_cost, hi = (before + cost) * ctas / total_cost;
+      for (long long c = lo + 1; c <= hi && c <= ctas; c++) p.cta_start[c] = i + 1;
+    }
+    __syncthreads();  // everyone has read carry and is done with the scan storage
+    if (threadIdx.x == 0) carry += tile_total;
+    __syncthreads();
+  }
+}
+
+// The LSE merge of a segment's items: one block per (sequence, kv head, row), a thread per column. The
+// items' LSEs are staged in shared memory once; then each thread sums its column over the items.
+template <typename T>
+__global__ void merge_partials(tk::attn_decode_problem p, int group) {
+  extern __shared__ float weight[];  // [max_splits]
+  __shared__ float row_max, row_sum;
+  const int rows = p.q_len * group, seg = blockIdx.x / rows, r = blockIdx.x % rows;
+  const int b = seg / p.hkv, h = seg % p.hkv, first = seg * p.max_splits;
+  for (int s = threadIdx.x; s < p.max_splits; s += blockDim.x) {
+    const int4 w = reinterpret_cast<const int4*>(p.work_items)[first + s];
+    weight[s] = w.w > w.z ? p.partial_lse[long(first + s) * rows + r] : -INFINITY;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float m = -INFINITY;
+    for (int s = threadIdx.x; s < p.max_splits; s += 32) m = fmaxf(m, weight[s]);
+    for (int o = 16; o; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+    __syncwarp();
+    float sum = 0.f;
+    for (int s = threadIdx.x; s < p.max_splits; s += 32) {
+      const float x = weight[s] == -INFINITY ? 0.f : __expf(weight[s] - m);
+      weight[s] = x;
+      sum += x;
+    }
+    for (int o = 16; o; o /= 2) sum += __shfl_xor_sync(~0u, sum, o);
+    if (threadIdx.x == 0) row_max = m, row_sum = sum;
+  }
+  __syncthreads();
+  const int tok = r / group, head = h * group + r % group;
+  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
+  for (int col = threadIdx.x; col < p.head_dim; col += blockDim.x) {
+    float acc = 0.f;
+    if (row_sum > 0.f) {
+#pragma unroll 4
+      for (int s = 0; s < p.max_splits; s++)
+        if (weight[s] > 0.f) acc += weight[s] * p.partial_out[(long(first + s) * rows + r) * p.head_dim + col];
+    }
+    static_cast<T*>(p.out)[b * p.out_strides[0] + tok * p.out_strides[1] + head * p.out_strides[2] + col] =
+        kittens::convert<T>(acc * inv);
+  }
+  if (threadIdx.x == 0)
+    p.lse[(long(b) * p.hq + head) * p.q_len + tok] = row_sum > 0.f ? row_max + __logf(row_sum) : -INFINITY;
 }
 
 template <typename T, int D>
@@ -212,10 +286,10 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.window_right = p.window_right;
   g.scale_log2 = p.softmax_scale * tk::attn::LOG2E;
   g.softcap = p.softcap;
+  build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
+  TK_LAUNCH_CHECK();
   lcsf::launch<K>(g, p.num_ctas, stream);
-  merge_partials<T><<<p.batch * p.hkv, 256, 0, stream>>>(
-      p.work_items, p.partial_out, p.partial_lse, static_cast<T*>(p.out), p.out_strides[0], p.out_strides[1],
-      p.out_strides[2], p.lse, p.q_len, group, p.hq, p.hkv, p.max_splits, D);
+  merge_partials<T><<<p.batch * p.hkv * rows, D, p.max_splits * sizeof(float), stream>>>(p, group);
   TK_LAUNCH_CHECK();
 }
 

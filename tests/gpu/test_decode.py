@@ -78,7 +78,7 @@ def test_decode_graph_replay(seed):
 
 # ---- the split-KV decode kernel (csrc/kernels/decode.cu), reached directly until it backs the public op ----
 
-from tk_backend import attention as _attention  # noqa: E402
+from tk_backend import attention as _attention, decode_plan  # noqa: E402
 
 
 @pytest.mark.parametrize("q_len,group", [(1, 4), (1, 8), (4, 8), (16, 4)])
@@ -113,3 +113,24 @@ def test_split_decode_head_dims_window_softcap(d, window, softcap, seed):
     torch.cuda.synchronize()
     ref = reference.decode(q, k_cache, v_cache, seqlens, table, window_size=window, softcap=softcap)[0]
     assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"split d={d} window={window} softcap={softcap} seed={seed}")
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (300, 0)])
+def test_schedule_kernel_matches_build_work_list(window, seed):
+    """The op's on-device schedule equals decode_plan.build_work_list (the planner the CPU tests check)."""
+    rng = random.Random(seed)
+    batch, hkv, group, d, block_size = 7, 2, 4, 128, 16
+    contexts = [rng.choice([0, 1, rng.randint(2, 900), rng.randint(900, 20000)]) for _ in range(batch)]
+    k_cache, v_cache, table = _cache(rng, batch, [max(c, 1) for c in contexts], block_size, hkv, d)
+    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, window, 0.0, 0, None)
+    num_sms, name = _attention._device_info(q.device)
+    plan = decode_plan.make_plan(batch, table.shape[1] * block_size, 1, hkv * group, hkv, d, block_size, num_sms,
+                                 window[0], 0, name)
+    used = _attention._workspace(plan, q.device)
+    expected = decode_plan.DecodeWorkspace.allocate(plan, q.device)
+    decode_plan.build_work_list(plan, seqlens, expected)
+    torch.cuda.synchronize()
+    assert torch.equal(used.work_items, expected.work_items), f"contexts={contexts} seed={seed}"
+    assert torch.equal(used.cta_start, expected.cta_start), f"contexts={contexts} seed={seed}"

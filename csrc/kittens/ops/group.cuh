@@ -76,6 +76,29 @@ struct group {
       }
   }
 
+  // Transposing load (16-bit tiles): warp w takes the transpose of src's column block
+  // [w * RT::rows, (w + 1) * RT::rows), so src rows become dst columns. This is how an operand whose
+  // reduction dim runs along a shared tile's rows (x^T in x^T B) becomes a register A operand of wgmma.
+  template <register_tile RT, shared_tile SR>
+  __device__ static __forceinline__ void load_t(RT& dst, const SR& src) {
+    static_assert(SR::cols == RT::rows * NW && SR::rows == RT::cols,
+                  "group load_t: the shared tile must be (register-tile cols) by (warps x register-tile rows)");
+    static_assert(sizeof(typename SR::dtype) == 2 && std::is_same_v<typename RT::layout, row_l>,
+                  "group load_t: 16-bit shared tile into a row-layout register tile");
+    using S = typename SR::dtype;
+    const int col_base = warp() * RT::rows, m = laneid() / 8;
+#pragma unroll
+    for (int i = 0; i < RT::height; i++)
+#pragma unroll
+      for (int j = 0; j < RT::width; j++) {
+        // 8x8 matrix m of fragment (i, j) is dst rows 16i + 8(m & 1), cols 16j + 8(m >> 1): src transposed
+        uint32_t regs[4];
+        detail::ldmatrix_x4<true>(regs, src.addr(16 * j + 8 * (m >> 1) + laneid() % 8, col_base + 16 * i + 8 * (m & 1)));
+#pragma unroll
+        for (int k = 0; k < 4; k++) dst.data[i][j][k] = recast<typename RT::T2>(*reinterpret_cast<packed<S>*>(&regs[k]));
+      }
+  }
+
   template <shared_tile SR, register_tile RT>
   __device__ static __forceinline__ void store(const SR& dst, const RT& src) {
     static_assert(SR::rows == RT::rows * NW && SR::cols == RT::cols,

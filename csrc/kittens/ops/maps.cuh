@@ -54,6 +54,26 @@ __device__ __forceinline__ void map(D& dst, const A& a, const B& b, F f) {
       }
 }
 
+// dst = f(src, row, col) with (row, col) the element's position in this warp's tile offset by (row0, col0):
+// position-dependent scaling (decay masks, per-column vectors read from memory).
+template <register_tile D, register_tile S, typename F>
+__device__ __forceinline__ void map_at(D& dst, const S& src, int row0, int col0, F f) {
+  static_assert(D::rows == S::rows && D::cols == S::cols && std::is_same_v<typename D::layout, typename S::layout>,
+                "map_at: tiles must have the same shape and layout");
+  using Fr = frag<typename S::layout>;
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float2 v = convert<float2>(src.data[i][j][k]);
+        const int r = row0 + 16 * i, c = col0 + 16 * j;
+        dst.data[i][j][k] = convert<typename D::T2>(
+            float2{f(v.x, r + Fr::row(k, 0), c + Fr::col(k, 0)), f(v.y, r + Fr::row(k, 1), c + Fr::col(k, 1))});
+      }
+}
+
 template <register_tile D> __device__ __forceinline__ void fill(D& dst, float v) { map(dst, dst, [v](float) { return v; }); }
 template <register_tile D> __device__ __forceinline__ void zero(D& dst) { fill(dst, 0.f); }
 // Type conversion (e.g. fp32 accumulators to a bf16 wgmma A operand: same fragment layout).
@@ -226,6 +246,63 @@ __device__ __forceinline__ void triu(D& dst, const D& src, int row0, int col0, i
   mask(dst, src, row0, col0, [diagonal](int r, int c) { return c - r >= diagonal; }, fill_value);
 }
 
+// ---- relabelling and single rows / columns ----------------------------------------------------------
+// The transpose of a register tile is the same registers read in the other layout (free): a row-layout
+// R x C tile holds exactly what a column-layout C x R tile of its transpose holds, fragment (i, j) <-> (j, i).
+template <register_tile RT>
+__device__ __forceinline__ auto transpose(const RT& t) {
+  using L = std::conditional_t<std::is_same_v<typename RT::layout, row_l>, col_l, row_l>;
+  rt<typename RT::dtype, RT::cols, RT::rows, L> out;
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int j = 0; j < RT::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) out.data[j][i][k] = t.data[i][j][k];
+  return out;
+}
+
+// v = row r of a row-layout tile, as a per-column vector in every lane (r warp-uniform, shuffles only).
+template <register_vector V, row_register_tile RT>
+__device__ __forceinline__ void row_of(V& v, const RT& t, int r) {
+  static_assert(V::length == RT::cols && V::per_lane == frag<row_l>::cols_per_lane,
+                "row_of: the vector must be the tile's per_col type");
+  const int src = (r % 8) * 4 + (laneid() & 3), half = (r % 16) / 8;
+#pragma unroll
+  for (int j = 0; j < RT::width; j++)
+#pragma unroll
+    for (int s = 0; s < 4; s++) {  // slot s = 2 * (k >> 1) + e: columns 2q + 8(k >> 1) + e
+      const int k_top = 2 * (s >> 1);
+      float mine = 0.f;
+#pragma unroll
+      for (int i = 0; i < RT::height; i++) {  // selects, not a runtime index (which would go to local memory)
+        const float2 lo = convert<float2>(t.data[i][j][k_top]), hi = convert<float2>(t.data[i][j][k_top + 1]);
+        if (i == r / 16) mine = half ? (s & 1 ? hi.y : hi.x) : (s & 1 ? lo.y : lo.x);
+      }
+      v.data[j][s] = convert<typename V::dtype>(__shfl_sync(0xffffffffu, mine, src));
+    }
+}
+
+// v = column c of a row-layout tile, as a per-row vector in every lane (c warp-uniform, shuffles only).
+template <register_vector V, row_register_tile RT>
+__device__ __forceinline__ void col_of(V& v, const RT& t, int c) {
+  static_assert(V::length == RT::rows && V::per_lane == frag<row_l>::rows_per_lane,
+                "col_of: the vector must be the tile's per_row type");
+  const int src = (laneid() & ~3) | ((c % 8) / 2), hi = (c % 16) / 8, e = c % 2;
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int s = 0; s < 2; s++) {  // slot s = k & 1: rows g + 8s
+      float mine = 0.f;
+#pragma unroll
+      for (int j = 0; j < RT::width; j++) {  // selects, not a runtime index
+        const float2 lo = convert<float2>(t.data[i][j][s]), up = convert<float2>(t.data[i][j][2 + s]);
+        if (j == c / 16) mine = hi ? (e ? up.y : up.x) : (e ? lo.y : lo.x);
+      }
+      v.data[i][s] = convert<typename V::dtype>(__shfl_sync(0xffffffffu, mine, src));
+    }
+}
+
 // Columns [j*SC, (j+1)*SC) of a register tile (a register copy the compiler elides).
 template <int SC, register_tile RT>
 __device__ __forceinline__ rt<typename RT::dtype, RT::rows, SC, typename RT::layout> col_block(const RT& t, int j) {
@@ -238,6 +315,20 @@ __device__ __forceinline__ rt<typename RT::dtype, RT::rows, SC, typename RT::lay
 #pragma unroll
       for (int k = 0; k < 4; k++) out.data[i][jj][k] = t.data[i][j * (SC / 16) + jj][k];
   return out;
+}
+
+// Columns [j*SC, (j+1)*SC) of a register tile set from `block` (the inverse of col_block).
+template <int SC, register_tile RT, register_tile B>
+__device__ __forceinline__ void set_col_block(RT& t, int j, const B& block) {
+  static_assert(B::cols == SC && B::rows == RT::rows && RT::cols % SC == 0 &&
+                    std::is_same_v<typename B::layout, typename RT::layout>,
+                "set_col_block: a block of whole fragments with the tile's rows and layout");
+#pragma unroll
+  for (int i = 0; i < RT::height; i++)
+#pragma unroll
+    for (int jj = 0; jj < SC / 16; jj++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) t.data[i][j * (SC / 16) + jj][k] = recast<typename RT::T2>(block.data[i][jj][k]);
 }
 
 }  // namespace kittens

@@ -1,0 +1,359 @@
+// Mamba-2 SSD on kittens: the chunked scan (prefill, dense or varlen) and the one-token state update.
+//
+// Scan. A task is (sequence, group, pair of 64-wide head-dim blocks of that group's heads); each of the two
+// consumer warpgroups owns one block (head h, columns p0..p0+63) and walks the sequence in 64-token chunks
+// from its start, carrying its slice of the state S [64 x dstate] in fp32 registers. Per chunk, with
+// a_t = dt_t A and dA the within-chunk cumulative sum of a (log2 units):
+//   att   = C B^T                             masked to j <= i, scaled by 2^(dA_i - dA_j) dt_j   (tensor cores)
+//   y     = 2^dA_i (C S^T) + att x             S in x's type from shared memory, att from registers
+//   S     = 2^dA_last S + (x^T scaled by 2^(dA_last - dA_j) dt_j) B
+//   y     = (y + D x) * silu(z)                stored by TMA (whole chunks) or row by row (a ragged tail)
+// The producer streams C, B (shared by both consumers: same group) and the two x blocks through a TMA ring;
+// dt is read by the consumers one chunk ahead. The result does not depend on the chunk length (it is exact
+// arithmetic regrouped), so every chunk_size runs as 64-token chunks; chunks never straddle sequences.
+#include "../kittens/kittens.cuh"
+#include "ssd.h"
+
+using namespace kittens;
+
+namespace {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+template <typename T, int N>
+struct ssd_scan_kernel {
+  static constexpr int L = 64, P = 64, consumers = 2, stages = N == 64 ? 4 : 3, release_lag = 0;
+  using bc_tile = st<T, L, N>;
+  using x_tile = st<T, L, P>;
+  using y_piece = st<T, 16, P>;      // one warp's rows of a chunk's output, on its way out
+  using state_tile = st<T, P, N>;    // S in x's type: the B operand of C S^T
+  using x_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, RUNTIME, x_tile>;   // (batch, head, token, p)
+  using y_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, RUNTIME, y_piece>;
+  using z_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, RUNTIME>;
+  using bc_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, N, bc_tile>;        // (batch, group, token, n)
+  using states_gl = gl<float, RUNTIME, RUNTIME, RUNTIME, N>;         // (seq, head, p, n)
+
+  struct globals {
+    x_gl x;
+    y_gl y;
+    z_gl z;
+    bc_gl B, C;
+    states_gl init, final_states;
+    const float *dt, *A, *dt_bias, *D;
+    long dt_strides[3], D_strides[2];
+    const int* cu_seqlens;
+    long seqlen;
+    int num_seqs, groups, heads_per_group, pblocks, units, pairs;
+    bool has_z, has_init, has_final, softplus;
+    float dt_min, dt_max;
+  };
+  struct input_block {
+    bc_tile C, B;
+    x_tile x[consumers];
+  };
+  struct scratch_block {
+    state_tile S[consumers];
+    y_piece y[consumers][WARPGROUP_WARPS];
+    float dA[consumers][WARPGROUP_WARPS][L];  // each warp keeps its own copy: no cross-warp barrier
+    float dt[consumers][WARPGROUP_WARPS][L];
+  };
+  struct consumer_state {
+    rt_fl<16, N> S;  // rows 16w..16w+15 of this block's state (p), all of dstate
+    float dt_raw[2];  // the next chunk's raw dt of tokens 2 lane, 2 lane + 1
+  };
+  struct task_t {
+    int b, seq, start, len, iters, group, head[consumers], col[consumers];
+    bool valid[consumers];
+    // Consumer c's fields by select, not by a run-time index (which would put the arrays in local memory).
+    __device__ int head_of(int c) const { return c ? head[1] : head[0]; }
+    __device__ int col_of(int c) const { return c ? col[1] : col[0]; }
+    __device__ bool valid_of(int c) const { return c ? valid[1] : valid[0]; }
+  };
+
+  __device__ static int task_count(const globals& g) { return g.num_seqs * g.groups * g.pairs; }
+  __device__ static task_t task(const globals& g, int id, int) {
+    task_t t;
+    t.seq = id / (g.groups * g.pairs);
+    t.group = id / g.pairs % g.groups;
+    const int pair = id % g.pairs;
+    if (g.cu_seqlens) {
+      t.b = 0;
+      t.start = g.cu_seqlens[t.seq];
+      t.len = g.cu_seqlens[t.seq + 1] - t.start;
+    } else {
+      t.b = t.seq;
+      t.start = 0;
+      t.len = int(g.seqlen);
+    }
+    t.iters = t.len > 0 ? ceil_div(t.len, L) : 0;
+#pragma unroll
+    for (int c = 0; c < consumers; c++) {
+      const int unit = 2 * pair + c;
+      t.valid[c] = unit < g.units;
+      const int u = min(unit, g.units - 1);  // an idle consumer computes on a duplicate and stores nothing
+      t.head[c] = t.group * g.heads_per_group + u / g.pblocks;
+      t.col[c] = (u % g.pblocks) * P;
+    }
+    return t;
+  }
+
+  __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
+    expect_bytes(full, 2 * tma::bytes<bc_tile>() + consumers * tma::bytes<x_tile>());
+    const int row = t.start + it * L;
+    tma::load_async(in.C, g.C, {.b = t.b, .d = t.group, .row = row}, full);
+    tma::load_async(in.B, g.B, {.b = t.b, .d = t.group, .row = row}, full);
+#pragma unroll
+    for (int c = 0; c < consumers; c++)
+      tma::load_async(in.x[c], g.x, {.b = t.b, .d = t.head[c], .row = row, .col = t.col[c]}, full);
+  }
+
+  // ---- dt and the decay ----------------------------------------------------------------------------
+  __device__ static void fetch_dt(consumer_state& s, const globals& g, const task_t& t, int it, int c) {
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int tok = it * L + 2 * laneid() + e;
+      s.dt_raw[e] = tok < t.len ? g.dt[t.b * g.dt_strides[0] + long(t.start + tok) * g.dt_strides[1] +
+                                       long(t.head_of(c)) * g.dt_strides[2]]
+                                : 0.f;
+    }
+  }
+  // dt' = clamp(softplus?(dt + bias)) (0 past the sequence end) and dA = cumsum(dt' A) * log2(e) of chunk
+  // `it` into this warp's arrays; prefetches the next chunk's dt. Returns dA of the chunk's last token.
+  __device__ static float chunk_decay(consumer_state& s, const globals& g, const task_t& t, int it, int c,
+                                      float* dA, float* dtv) {
+    const int head = t.head_of(c);
+    const float A = g.A[head] * LOG2E, bias = g.dt_bias ? g.dt_bias[head] : 0.f;
+    float d[2];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      float v = s.dt_raw[e] + bias;
+      if (g.softplus) v = v <= 20.f ? log1pf(__expf(v)) : v;
+      v = fminf(fmaxf(v, g.dt_min), g.dt_max);
+      d[e] = it * L + 2 * laneid() + e < t.len ? v : 0.f;
+    }
+    fetch_dt(s, g, t, it + 1, c);
+    const float a0 = d[0] * A, pair = a0 + d[1] * A;
+    float incl = pair;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float n = __shfl_up_sync(0xffffffffu, incl, o);
+      if (laneid() >= o) incl += n;
+    }
+    __syncwarp();  // the previous chunk's readers are done
+    dA[2 * laneid()] = incl - pair + a0;
+    dA[2 * laneid() + 1] = incl;
+    dtv[2 * laneid()] = d[0];
+    dtv[2 * laneid() + 1] = d[1];
+    __syncwarp();
+    return __shfl_sync(0xffffffffu, incl, 31);
+  }
+
+  // ---- a task's state ----------------------------------------------------------------------------------
+  __device__ static void initial_state(consumer_state& s, const globals& g, const task_t& t, int c) {
+    if (g.has_init) warpgroup::load(s.S, g.init, {.b = t.seq, .d = t.head_of(c), .row = t.col_of(c)});
+    else zero(s.S);
+  }
+
+  __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& sc, const globals& g,
+                                       const task_t& t, int c) {
+    initial_state(s, g, t, c);
+    warpgroup::store(sc.S[c].ref(), s.S);
+    fence_async_shared();
+    fetch_dt(s, g, t, 0, c);
+    warpgroup::sync(1 + c);
+    compute(s, in, sc, g, t, 0, c);
+  }
+
+  __device__ static void compute(consumer_state& s, input_block& in, scratch_block& sc, const globals& g,
+                                 const task_t& t, int it, int c) {
+    const int w = warpgroup::warp();
+    float* dA = sc.dA[c][w];
+    float* dtv = sc.dt[c][w];
+    const float dA_last = chunk_decay(s, g, t, it, c, dA, dtv);
+
+    rt_fl<16, L> att;
+    rt_fl<16, P> y;
+    warpgroup::mm_ABt(att, in.C, in.B);
+    warpgroup::mm_ABt(y, in.C, sc.S[c]);
+    mul(s.S, s.S, fast_exp2(dA_last));  // S is idle while those run
+    warpgroup::mma_async_wait<0>();
+
+    const int row0 = 16 * w;
+    map_at(att, att, row0, 0,
+           [=](float v, int i, int j) { return j <= i ? v * fast_exp2(dA[i] - dA[j]) * dtv[j] : 0.f; });
+    map_at(y, y, row0, 0, [=](float v, int i, int) { return v * fast_exp2(dA[i]); });
+    rt<T, 16, L> p;
+    copy(p, att);
+    warpgroup::mma_AB(y, p, in.x[c]);
+    // The state update's A operand x^T (loaded once att is dead: registers), token j weighted by
+    // 2^(dA_last - dA_j) dt_j.
+    rt<T, 16, L> xt;
+    warpgroup::load_t(xt, in.x[c].ref());
+    map_at(xt, xt, 0, 0, [=](float v, int, int j) { return v * fast_exp2(dA_last - dA[j]) * dtv[j]; });
+    warpgroup::mma_AB(s.S, xt, in.B);
+    warpgroup::mma_async_wait<0>();
+
+    warpgroup::store(sc.S[c].ref(), s.S);  // this chunk's C S^T has finished reading the old one
+    fence_async_shared();
+    epilogue(y, in, sc, g, t, it, c);
+    warpgroup::sync(1 + c);  // the new S is complete before the next chunk's products read it
+  }
+
+  __device__ static void epilogue(rt_fl<16, P>& y, input_block& in, scratch_block& sc, const globals& g,
+                                  const task_t& t, int it, int c) {
+    const int w = warpgroup::warp(), head = t.head_of(c), row = t.start + it * L;
+    if (g.D) {  // + D x, x straight from the shared tile (no register tile beside y and S)
+      const float* Dh = g.D + head * g.D_strides[0] + t.col_of(c) * g.D_strides[1];
+      const long dp = g.D_strides[1];
+      const auto xs = in.x[c].ref();
+      map_at(y, y, 16 * w, 0, [=](float v, int i, int j) {
+        return v + Dh[j * dp] * convert<float>(detail::ld_shared<T>(xs.addr(i, j)));
+      });
+    }
+    if (g.has_z) {  // * silu(z), z element by element (an optional path)
+      const T* zp = g.z.at({.b = t.b, .d = head, .row = row, .col = t.col_of(c)});
+      const long zs = g.z.strides[2], rows = g.seqlen - row;
+      map_at(y, y, 16 * w, 0, [=](float v, int i, int j) {
+        const float zv = i < rows ? convert<float>(zp[i * zs + j]) : 0.f;
+        return v * zv / (1.f + __expf(-zv));
+      });
+    }
+    if (!t.valid_of(c)) return;
+    if (t.len - it * L >= L) {  // a whole chunk: each warp sends its 16 rows through one TMA store
+      const auto piece = sc.y[c][w].ref();
+      if (laneid() == 0) tma::store_wait_read<0>();
+      __syncwarp();
+      warp::store(piece, y);
+      fence_async_shared();
+      __syncwarp();
+      if (laneid() == 0) {
+        tma::store_async(g.y, piece, {.b = t.b, .d = head, .row = row + 16 * w, .col = t.col_of(c)});
+        tma::store_commit_group();
+      }
+    } else {  // the sequence ends inside this chunk: its rows only (the next sequence's rows follow)
+      warpgroup::store(g.y, y, {.b = t.b, .d = head, .row = row, .col = t.col_of(c)}, long(t.start) + t.len);
+    }
+  }
+
+  __device__ static void finish(consumer_state& s, scratch_block&, const globals& g, const task_t& t, int c) {
+    if (laneid() == 0) tma::store_wait_read<0>();  // this warp's output pieces are free again
+    if (!t.valid_of(c) || !g.has_final) return;
+    if (t.iters == 0) initial_state(s, g, t, c);  // an empty sequence keeps its initial state
+    warpgroup::store(g.final_states, s.S, {.b = t.seq, .d = t.head_of(c), .row = t.col_of(c)});
+  }
+};
+
+template <typename T, int N>
+void run_scan(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
+  using K = ssd_scan_kernel<T, N>;
+  auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
+  typename K::globals g{};
+  const long b = p.batch, h = p.heads, l = p.seqlen, hd = p.headdim, gr = p.groups;
+  g.x = {ptr(p.x), {b, h, l, hd}, {p.x_strides[0], p.x_strides[2], p.x_strides[1], 1}};
+  g.y = {ptr(p.out), {b, h, l, hd}, {p.out_strides[0], p.out_strides[2], p.out_strides[1], 1}};
+  if (p.z) g.z = {ptr(p.z), {b, h, l, hd}, {p.z_strides[0], p.z_strides[2], p.z_strides[1], 1}};
+  g.B = {ptr(p.B), {b, gr, l, N}, {p.B_strides[0], p.B_strides[2], p.B_strides[1], 1}};
+  g.C = {ptr(p.C), {b, gr, l, N}, {p.C_strides[0], p.C_strides[2], p.C_strides[1], 1}};
+  const long seqs = p.num_seqs;
+  if (p.initial_states)
+    g.init = {const_cast<float*>(p.initial_states), {seqs, h, hd, N},
+              {p.init_strides[0], p.init_strides[1], p.init_strides[2], 1}};
+  if (p.final_states)
+    g.final_states = {p.final_states, {seqs, h, hd, N}, {p.final_strides[0], p.final_strides[1], p.final_strides[2], 1}};
+  g.dt = p.dt;
+  g.A = p.A;
+  g.dt_bias = p.dt_bias;
+  g.D = p.D;
+  for (int i = 0; i < 3; i++) g.dt_strides[i] = p.dt_strides[i];
+  g.D_strides[0] = p.D_strides[0];
+  g.D_strides[1] = p.D_strides[1];
+  g.cu_seqlens = p.cu_seqlens;
+  g.seqlen = p.seqlen;
+  g.num_seqs = p.num_seqs;
+  g.groups = p.groups;
+  g.heads_per_group = p.heads / p.groups;
+  g.pblocks = p.headdim / K::P;
+  g.units = g.heads_per_group * g.pblocks;
+  g.pairs = ceil_div(g.units, K::consumers);
+  g.has_z = p.z != nullptr;
+  g.has_init = p.initial_states != nullptr;
+  g.has_final = p.final_states != nullptr;
+  g.softplus = p.dt_softplus;
+  g.dt_min = p.dt_min;
+  g.dt_max = p.dt_max;
+  const long tasks = long(p.num_seqs) * p.groups * g.pairs;
+  lcsf::launch<K>(g, int(std::min<long>(tasks, num_sms)), stream);
+}
+
+template <typename T>
+void scan_dtype(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
+  if (p.dstate == 64) run_scan<T, 64>(p, num_sms, stream);
+  else run_scan<T, 128>(p, num_sms, stream);
+}
+
+// ---- decode: one token per batch row ----------------------------------------------------------------
+// A CTA per (batch row, head); warp w walks head-dim rows w, w + 4, ...; lanes split dstate, so every row
+// is one coalesced read and write of the state, and y is a warp sum.
+template <typename T, typename S>
+__global__ void __launch_bounds__(128) ssd_update_kernel(const tk::ssd_update_problem p) {
+  const int b = blockIdx.x, h = blockIdx.y;
+  const long slot = p.state_indices ? p.state_indices[b] : b;
+  if (p.state_indices && slot == p.pad_slot_id) return;
+  const int grp = h / (p.heads / p.groups);
+  S* state = static_cast<S*>(p.state) + slot * p.state_strides[0] + h * p.state_strides[1];
+  const T* x = static_cast<const T*>(p.x) + b * p.x_strides[0] + h * p.x_strides[1];
+  const T* Bv = static_cast<const T*>(p.B) + b * p.B_strides[0] + grp * p.B_strides[1];
+  const T* Cv = static_cast<const T*>(p.C) + b * p.C_strides[0] + grp * p.C_strides[1];
+  const T* z = p.z ? static_cast<const T*>(p.z) + b * p.z_strides[0] + h * p.z_strides[1] : nullptr;
+  T* out = static_cast<T*>(p.out) + b * p.out_strides[0] + h * p.out_strides[1];
+  for (int row = warpid(); row < p.headdim; row += 4) {
+    float dt = p.dt[b * p.dt_strides[0] + h * p.dt_strides[1] + row * p.dt_strides[2]];
+    if (p.dt_bias) dt += p.dt_bias[h * p.dt_bias_strides[0] + row * p.dt_bias_strides[1]];
+    if (p.dt_softplus) dt = dt <= 20.f ? log1pf(__expf(dt)) : dt;
+    const float xv = convert<float>(x[row]);
+    const float* A = p.A + h * p.A_strides[0] + row * p.A_strides[1];
+    S* srow = state + row * p.state_strides[2];
+    float acc = 0.f;
+    for (int n = laneid(); n < p.dstate; n += WARP_THREADS) {
+      const float s = convert<float>(srow[n]) * __expf(dt * A[n * p.A_strides[2]]) + dt * xv * convert<float>(Bv[n]);
+      srow[n] = convert<S>(s);
+      acc += s * convert<float>(Cv[n]);
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (laneid() == 0) {
+      if (p.D) acc += xv * p.D[h * p.D_strides[0] + row * p.D_strides[1]];
+      if (z) {
+        const float zv = convert<float>(z[row]);
+        acc *= zv / (1.f + __expf(-zv));
+      }
+      out[row] = convert<T>(acc);
+    }
+  }
+}
+
+template <typename T>
+void update_dtype(const tk::ssd_update_problem& p, cudaStream_t stream) {
+  const dim3 grid(p.batch, p.heads);
+  if (p.state_fp32) ssd_update_kernel<T, float><<<grid, 128, 0, stream>>>(p);
+  else ssd_update_kernel<T, T><<<grid, 128, 0, stream>>>(p);
+  TK_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+namespace tk {
+
+void ssd_scan(const ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
+  if (p.num_seqs <= 0 || p.heads <= 0) return;
+  if (p.type == dtype::bf16) scan_dtype<bf16>(p, num_sms, stream);
+  else scan_dtype<half>(p, num_sms, stream);
+}
+
+void ssd_update(const ssd_update_problem& p, cudaStream_t stream) {
+  if (p.batch <= 0 || p.heads <= 0) return;
+  if (p.type == dtype::bf16) update_dtype<bf16>(p, stream);
+  else update_dtype<half>(p, stream);
+}
+
+}  // namespace tk
