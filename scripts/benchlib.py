@@ -100,15 +100,19 @@ def merge_results(path: pathlib.Path, families: Sequence[str], rows: Sequence[Ro
     """Replace only the rows of the families that ran; keep the rest."""
     old = json.loads(path.read_text()) if path.exists() else {"results": []}
     kept = [r for r in old.get("results", []) if r.get("kernel") not in families]
+    for r in kept:  # rows of families that did not run keep the commit they measured
+        r.setdefault("commit", old.get("commit", "unknown"))
+    commit = commit_of_tree()
     props = torch.cuda.get_device_properties(0)
     doc = {
         "device": props.name,
-        "commit": commit_of_tree(),
+        "commit": commit,
+        "commit_note": "each row's commit is the tree it measured; 'commit' is the newest run's",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "sms": props.multi_processor_count,
-        "results": kept + [r.as_json() for r in rows],
+        "results": kept + [{**r.as_json(), "commit": commit} for r in rows],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")

@@ -161,7 +161,7 @@ struct attn_decode_split {
 // ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned key range of sequence b that intersects its
 // visible keys [lo_b, L_b), and CTA c runs the slots whose cost prefix `before` has
 // c * total <= ctas * before < (c + 1) * total (cost = keys + a fixed overhead per non-empty item).
-constexpr int SCHEDULE_THREADS = 1024;
+constexpr int SCHEDULE_THREADS = 512;
 
 __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_decode_problem p) {
   using scan_t = cub::BlockScan<long long, SCHEDULE_THREADS>;
@@ -198,8 +198,9 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
     return;
   }
   // Pass 2: slot i owns the CTAs c with ctas * before_i < c * total <= ctas * (before_i + cost_i), which start at
-  // slot i + 1; CTA 0 starts at slot 0. The intervals partition (0, ctas], so every entry is written once.
-  if (threadIdx.x == 0) p.cta_start[0] = 0;
+  // slot i + 1; CTA 0 starts at slot 0 and the end marker is max_items. The intervals partition (0, ctas), so
+  // every entry is written once.
+  if (threadIdx.x == 0) p.cta_start[0] = 0, p.cta_start[ctas] = n;
   for (int base = 0; base < n; base += SCHEDULE_THREADS) {
     const int i = base + threadIdx.x;
     int4 w;
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
     before += carry;
     if (i < n) {
       const long long lo = before * ctas / total_cost, hi = (before + cost) * ctas / total_cost;
-      for (long long c = lo + 1; c <= hi && c <= ctas; c++) p.cta_start[c] = i + 1;
+      for (long long c = lo + 1; c <= hi && c < ctas; c++) p.cta_start[c] = i + 1;
     }
     __syncthreads();  // everyone has read carry and is done with the scan storage
     if (threadIdx.x == 0) carry += tile_total;
