@@ -275,25 +275,27 @@ struct based_prefill {
 };
 
 // ---- decode: one token against the fp32 state, read and written once ---------------------------------
-// A block per (batch, head); thread t owns column t % W of feature rows t / W, t / W + R, ... so the block
-// sweeps the state (273 rows x W, W = Dv + 1) as one contiguous stream.
+// A block per (batch, head) of W * j threads (W = Dv + 1 state columns). The first and second moments of one
+// (batch, head) are contiguous runs of rows x W floats; thread t streams the 4-float groups at 4t + i * 4Wj, a
+// stride that is a whole number of rows, so its four columns never change: it keeps their output partial
+// sums in registers and adds them to the block's column sums once at the end.
 constexpr int FEATURES = 1 + DK + FEAT2;
 
 template <typename T>
 __global__ void based_step_kernel(const tk::based_step_problem p) {
   extern __shared__ float smem[];
-  const int W = p.head_dim_v + 1, R = blockDim.x / W;
-  float* phi_k = smem;                 // [FEATURES]
-  float* phi_q = phi_k + FEATURES;     // [FEATURES], the 1/2 of the second order folded in
-  float* va = phi_q + FEATURES;        // [W]
-  float* partial = va + W;             // [R][W]
+  const int W = p.head_dim_v + 1;
+  float* phi_k = smem;              // [FEATURES]
+  float* phi_q = phi_k + FEATURES;  // [FEATURES], the 1/2 of the second order folded in
+  float* va = phi_q + FEATURES;     // [W]: v and the normaliser's 1
+  float* colsum = va + W;           // [W]: phi(q) . new state, per column
   __shared__ float qs[DK], kk[DK];
   const int b = blockIdx.x / p.heads, h = blockIdx.x % p.heads, tid = threadIdx.x;
   const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + h * p.q_strides[1];
   const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + h * p.k_strides[1];
   const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + h * p.v_strides[1];
   if (tid < DK) qs[tid] = convert<float>(q[tid]) * p.scale, kk[tid] = convert<float>(k[tid]);
-  for (int c = tid; c < W; c += blockDim.x) va[c] = c < p.head_dim_v ? convert<float>(v[c]) : 1.f;
+  for (int c = tid; c < W; c += blockDim.x) va[c] = c < p.head_dim_v ? convert<float>(v[c]) : 1.f, colsum[c] = 0.f;
   __syncthreads();
   for (int f = tid; f < FEATURES; f += blockDim.x) {
     if (f == 0) phi_k[f] = 1.f, phi_q[f] = 1.f;
@@ -306,44 +308,51 @@ __global__ void based_step_kernel(const tk::based_step_problem p) {
   __syncthreads();
 
   const long bh = long(b) * p.heads + h;
-  const int c = tid % W, r0 = tid / W;
-  // Offset of feature row f, column c: zeroth (row 0), first (rows 1..16), second (rows 17..) in turn.
-  auto at = [&](const tk::based_state& s, int f) {
-    if (f == 0) return s.zeroth + bh * W + c;
-    if (f <= DK) return s.first + (bh * DK + f - 1) * W + c;
-    return s.second + (bh * FEAT2 + f - 1 - DK) * W + c;
-  };
-  float acc = 0.f;
-  if (r0 < R) {
-    constexpr int BATCH = 8;  // loads in flight per thread before the first store (in and out may alias)
-    for (int f0 = r0; f0 < FEATURES; f0 += BATCH * R) {
-      float x[BATCH];
+  const int stride = 4 * blockDim.x, rows_per_step = stride / W;  // blockDim.x is a multiple of W
+  const int col0 = (4 * tid) % W, row0 = (4 * tid) / W;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  // rows x W floats from `in` to `out` (which may alias); feature row f0 + r for state row r.
+  auto sweep = [&](const float* in, float* out, int rows, int f0) {
+    constexpr int INFLIGHT = 8;
+    const int total = rows * W;
+    const bool vec = ((reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) & 15) == 0;
+    for (int e0 = 4 * tid, r0 = row0; e0 < total; e0 += INFLIGHT * stride, r0 += INFLIGHT * rows_per_step) {
+      float4 x[INFLIGHT];
 #pragma unroll
-      for (int i = 0; i < BATCH; i++) {
-        const int f = f0 + i * R;
-        if (f < FEATURES) x[i] = *at(p.state_in, f);
+      for (int i = 0; i < INFLIGHT; i++) {
+        const int e = e0 + i * stride;
+        if (e < total)
+          x[i] = vec ? *reinterpret_cast<const float4*>(in + e) : make_float4(in[e], in[e + 1], in[e + 2], in[e + 3]);
       }
 #pragma unroll
-      for (int i = 0; i < BATCH; i++) {
-        const int f = f0 + i * R;
-        if (f < FEATURES) {
-          const float y = x[i] + phi_k[f] * va[c];
-          *at(p.state_out, f) = y;
-          acc += phi_q[f] * y;
+      for (int i = 0; i < INFLIGHT; i++) {
+        const int e = e0 + i * stride;
+        if (e >= total) continue;
+        float y[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+          const int wrap = col0 + j >= W, c = col0 + j - (wrap ? W : 0), f = f0 + r0 + i * rows_per_step + wrap;
+          y[j] += phi_k[f] * va[c];
+          acc[j] += phi_q[f] * y[j];
         }
+        if (vec) *reinterpret_cast<float4*>(out + e) = make_float4(y[0], y[1], y[2], y[3]);
+        else out[e] = y[0], out[e + 1] = y[1], out[e + 2] = y[2], out[e + 3] = y[3];
       }
     }
-    partial[r0 * W + c] = acc;
+  };
+  sweep(p.state_in.first + bh * DK * W, p.state_out.first + bh * DK * W, DK, 1);
+  sweep(p.state_in.second + bh * FEAT2 * W, p.state_out.second + bh * FEAT2 * W, FEAT2, 1 + DK);
+  float zero = 0.f;
+  if (tid < W) {  // the zeroth moment: one row
+    zero = p.state_in.zeroth[bh * W + tid] + va[tid];
+    p.state_out.zeroth[bh * W + tid] = zero;
   }
-  __syncthreads();
-  if (tid < W) {
-    float o = 0.f;
-    for (int r = 0; r < R; r++) o += partial[r * W + tid];
-    partial[tid] = o;  // each column's sum is read back by this thread only until the barrier below
-  }
+#pragma unroll
+  for (int j = 0; j < 4; j++) atomicAdd(&colsum[col0 + j - (col0 + j >= W ? W : 0)], acc[j]);
+  if (tid < W) atomicAdd(&colsum[tid], zero);
   __syncthreads();
   if (tid < p.head_dim_v) {
-    const float num = partial[tid], den = partial[p.head_dim_v];
+    const float num = colsum[tid], den = colsum[p.head_dim_v];
     T* o = static_cast<T*>(p.o) + b * p.o_strides[0] + h * p.o_strides[1];
     o[tid] = convert<T>(p.use_norm ? num / (den + p.eps) : num);
   }
@@ -393,9 +402,9 @@ void run_prefill(const tk::based_problem& p, int num_sms, cudaStream_t stream) {
 
 template <typename T>
 void run_step(const tk::based_step_problem& p, cudaStream_t stream) {
-  const int W = p.head_dim_v + 1, R = std::max(1, std::min(4, 1024 / W));
-  const size_t smem = sizeof(float) * (2 * FEATURES + W + R * W);
-  based_step_kernel<T><<<p.batch * p.heads, R * W, smem, stream>>>(p);
+  const int W = p.head_dim_v + 1, threads = W * std::max(1, 256 / W);  // a multiple of W (see the kernel)
+  const size_t smem = sizeof(float) * (2 * FEATURES + 2 * W);
+  based_step_kernel<T><<<p.batch * p.heads, threads, smem, stream>>>(p);
   TK_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,100 @@
+"""Tune the split-KV decode plans on the GPU and write them to configs/<gpu>.json (the `decode` buckets).
+
+    python scripts/tune.py [--out configs/h200.json] [--quick]
+
+For each bucket of batch shapes (batch x max context x GQA group, any q_len <= 16, head dim 128) it times
+flash_attn_with_kvcache at the bucket's representative shape for every candidate KV chunk size (forced through
+num_splits), by CUDA-graph replay, in two extremes of a fixed-shape batch: every sequence at the full context
+(throughput) and one sequence at the full context with the others at 1/64 of it (latency: the long sequence
+must still be spread over the SMs). The chosen chunk minimises the larger of its two slowdowns against the best
+chunk of each extreme. Shapes outside every bucket keep decode_plan's analytic model.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from benchlib import ROOT, commit_of_tree, time_per_call  # noqa: E402
+
+import tk_backend  # noqa: E402
+
+PAGE, D, HKV = 16, 128, 8
+# (low, high, representative) per dimension; every combination is one bucket.
+BATCH = [(1, 1, 1), (2, 16, 8), (17, 96, 64), (97, 4096, 256)]
+CONTEXT = [(1, 2048, 1024), (2049, 16384, 8192), (16385, 1 << 20, 32768)]
+GROUP = [(1, 4, 4), (5, 64, 8)]
+CHUNKS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+
+
+def tune_bucket(batch: int, ctx: int, group: int) -> tuple[int, dict]:
+    blocks = batch * ctx // PAGE
+    k = torch.randn(blocks, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, ctx // PAGE)
+    q = torch.randn(batch, 1, HKV * group, D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    full = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    skew = torch.full((batch,), max(ctx // 64, 1), dtype=torch.int32, device="cuda")
+    skew[0] = ctx
+
+    def time(lengths: torch.Tensor, chunk: int) -> float:
+        splits = math.ceil(ctx / chunk)
+        call = lambda i: tk_backend.flash_attn_with_kvcache(q, k, v, lengths, table, num_splits=splits, out=out)  # noqa: E731
+        return time_per_call(call, 1, replays=5, target_ms=5.0)
+
+    chunks = [c for c in CHUNKS if c <= ctx] or [CHUNKS[0]]
+    times = {c: (time(full, c), time(skew, c)) for c in chunks}
+    del k, v
+    tk_backend.attention._workspaces.clear()  # one workspace per forced plan: free them between buckets
+    torch.cuda.empty_cache()
+    best_full = min(t[0] for t in times.values())
+    best_skew = min(t[1] for t in times.values())
+    score = {c: max(t[0] / best_full, t[1] / best_skew) for c, t in times.items()}
+    chosen = min(chunks, key=lambda c: (score[c], -c))
+    return chosen, {str(c): {"full_ms": round(t[0], 5), "skew_ms": round(t[1], 5)} for c, t in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "configs" / "h200.json")
+    ap.add_argument("--quick", action="store_true", help="two buckets only (smoke run), nothing written")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("tune.py tunes Hopper (sm_90) kernels and needs an H100/H200.", file=sys.stderr)
+        return 2
+    buckets, measured = [], []
+    shapes = [(b, c, g) for b in BATCH for c in CONTEXT for g in GROUP]
+    for (b_lo, b_hi, b), (c_lo, c_hi, c), (g_lo, g_hi, g) in shapes[:2] if args.quick else shapes:
+        chunk, times = tune_bucket(b, c, g)
+        print(f"batch {b:4d} ctx {c:6d} group {g}: chunk {chunk:6d}   {times}", flush=True)
+        buckets.append({"batch": [b_lo, b_hi], "max_context": [c_lo, c_hi], "q_len": [1, 16], "group": [g_lo, g_hi],
+                        "head_dim": [128], "chunk_tokens": chunk, "source": "tuned"})
+        measured.append({"batch": b, "max_context": c, "group": g, "chunk_tokens": chunk, "times": times})
+    if args.quick:
+        return 0
+    doc = json.loads(args.out.read_text()) if args.out.exists() else {}
+    doc["device"] = torch.cuda.get_device_name()
+    doc["decode"] = {
+        "_doc": ("Paged-decode split-KV plans (tk_backend/decode_plan.py), written by scripts/tune.py: the first "
+                 "bucket whose inclusive ranges contain the batch shape wins; other shapes use the analytic model. "
+                 "Each bucket was tuned at a representative shape (Hkv 8, head dim 128, page 16, q_len 1) over "
+                 "full-context and skewed batches; `measured` keeps the timings."),
+        "commit": commit_of_tree(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "buckets": buckets,
+        "measured": measured,
+    }
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
