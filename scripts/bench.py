@@ -16,8 +16,10 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from benchlib import ROOT, merge_results, print_table  # noqa: E402
 
-FAMILIES = {"gemm": "benches.gemm", "attn_prefill": "benches.attention", "attn_decode": "benches.decode", "based": "benches.based",
-            "mamba2_ssd": "benches.mamba2"}
+FAMILIES = {
+    "gemm": "benches.gemm", "attn_prefill": "benches.attention", "attn_decode": "benches.decode",
+    "based": "benches.based", "mamba2_ssd": "benches.mamba2", "serve": "benches.serve",
+}
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tk_backend
+from tk_backend import attention, decode_plan
 from benchlib import Row, time_per_call
 
 PAGE, D = 16, 128
@@ -34,6 +35,10 @@ def _case(b, ctx, hq, hkv) -> list[Row]:
     out = torch.empty_like(q)
     bytes_moved = 2 * (2 * b * ctx * hkv * D + 2 * b * hq * D)
     case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{PAGE}"
+    num_sms, name = attention._device_info(q.device)
+    plan = decode_plan.make_plan(b, ctx, 1, hq, hkv, D, PAGE, num_sms, -1, 0, name)
+    print(f"  {case}: plan chunk_tokens={plan.chunk_tokens} max_splits={plan.max_splits} ctas={plan.num_ctas} "
+          f"({plan.source})", flush=True)
     impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
     fa3 = _fa3()
     if fa3 is not None:
