@@ -244,6 +244,64 @@ def build_work_list(plan: DecodePlan, cache_seqlens: torch.Tensor, workspace: De
     workspace.cta_start[ctas:].fill_(plan.max_items)
 
 
+def segment(plan: DecodePlan, length: int) -> tuple[int, int, int, int]:
+    """(lo, first chunk, chunk count, cost) of a sequence with `length` cached keys: the per-sequence closed
+    form behind build_work_list (every kv head of the sequence has the same segment)."""
+    length = min(max(length, 0), plan.max_context)
+    lo = max(length - plan.q_len - plan.window_left, 0) if plan.window_left >= 0 else 0
+    first = lo // plan.chunk_tokens
+    chunks = max(_ceil_div(length, plan.chunk_tokens) - first, 0)
+    return lo, first, chunks, (length - lo) + chunks * plan.item_overhead_tokens if chunks else 0
+
+
+def item_cost(plan: DecodePlan, length: int, s: int) -> int:
+    """Cost of the s-th chunk slot of a sequence with `length` keys (0 for an empty slot)."""
+    lo, first, chunks, _ = segment(plan, length)
+    if s >= chunks:
+        return 0
+    length = min(max(length, 0), plan.max_context)
+    start = max((first + s) * plan.chunk_tokens, lo)
+    end = min((first + s + 1) * plan.chunk_tokens, length)
+    return end - start + plan.item_overhead_tokens
+
+
+def first_slot_at(plan: DecodePlan, lengths: list[int], target: int) -> int:
+    """The first slot i whose cost prefix has num_ctas * before_i >= target (max_items if none), computed per
+    sequence rather than per slot: what a decode CTA evaluates for its own range (cta_start[c] is
+    first_slot_at(c * total) for c < num_ctas). Equals searchsorted over build_work_list's prefix."""
+    ctas, hkv, splits = plan.num_ctas, plan.num_kv_heads, plan.max_splits
+    if target <= 0:
+        return 0
+    seq_before, b_star = 0, -1  # the last sequence whose first slot's prefix is below the target
+    for b, length in enumerate(lengths):
+        if seq_before * ctas >= target:
+            break
+        b_star, star_before = b, seq_before
+        seq_before += hkv * segment(plan, length)[3]
+    seg = segment(plan, lengths[b_star])[3]
+    rest = target - star_before * ctas
+    h = min(hkv - 1, max(0, rest // (seg * ctas) - 1)) if seg > 0 else hkv
+    for h in range(h, hkv):
+        before = h * seg
+        for s in range(splits):
+            if before * ctas >= rest:
+                return (b_star * hkv + h) * splits + s
+            before += item_cost(plan, lengths[b_star], s)
+    return (b_star + 1) * hkv * splits
+
+
+def cta_range(plan: DecodePlan, lengths: list[int], cta: int) -> tuple[int, int]:
+    """The slots [start, end) CTA `cta` runs: workspace.cta_start[cta], workspace.cta_start[cta + 1]."""
+    total = plan.num_kv_heads * sum(segment(plan, length)[3] for length in lengths)
+    if total == 0:
+        return (0, 0) if cta + 1 < plan.num_ctas else (0, plan.max_items)
+
+    def bound(c: int) -> int:
+        return plan.max_items if c >= plan.num_ctas else first_slot_at(plan, lengths, c * total)
+
+    return bound(cta), bound(cta + 1)
+
+
 def merge_partials(
     partial_out: torch.Tensor, partial_lse: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -233,3 +233,19 @@ def test_bad_config_entries_are_named(tmp_path, entry, match):
     path.write_text(json.dumps({"device": "X", "decode": {"buckets": [{"chunk_tokens": 64}, entry]}}))
     with pytest.raises(ValueError, match=r"bad.json decode.buckets\[1\]: " + match):
         decode_plan.load_config(path)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_per_cta_closed_form_equals_the_work_list(seed):
+    """decode_plan.cta_range (what each CTA computes from the lengths alone) equals build_work_list's cta_start."""
+    rng = random.Random(seed)
+    batch = rng.choice([1, 2, 5, 17])
+    max_context = rng.choice([64, 1000, 5000, 40000])
+    window = rng.choice([-1, -1, rng.randint(0, 3000)])
+    plan = _plan(batch, max_context, q_len=rng.choice([1, 4]), hq=rng.choice([2, 8]), hkv=rng.choice([1, 2]),
+                 sms=rng.choice([1, 7, 132]), window_left=window, num_splits=rng.choice([0, 0, 3, 64]))
+    lengths = [rng.choice([0, 1, rng.randint(0, max_context), max_context, max_context + 5]) for _ in range(batch)]
+    ws = _built(plan, lengths)
+    cta_start = ws.cta_start.tolist()
+    for c in range(plan.num_ctas):
+        assert decode_plan.cta_range(plan, lengths, c) == (cta_start[c], cta_start[c + 1]), (c, lengths, plan)
