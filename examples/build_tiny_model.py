@@ -111,8 +111,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int, model_max_length:
 def build(out_dir: str | Path, preset: str = "tiny-hd128", seed: int = 0, vocab_size: int = 16384,
           lm_head_scale: float = 4.0, max_position_embeddings: int = 8192) -> Path:
     """Write the model and tokenizer to out_dir (skipped if out_dir already holds this preset and seed)."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
     stamp = {"preset": preset, "seed": seed, "vocab_size": vocab_size, "lm_head_scale": lm_head_scale,
@@ -126,18 +125,37 @@ def build(out_dir: str | Path, preset: str = "tiny-hd128", seed: int = 0, vocab_
 
     tokenizer = build_tokenizer(out_dir, vocab_size, seed, max_position_embeddings)
     config = LlamaConfig(
-        vocab_size=-(-len(tokenizer) // 64) * 64,  # embedding rows rounded up, as real models do
         max_position_embeddings=max_position_embeddings,
         rope_theta=500000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
+        **token_ids(tokenizer),
+        **PRESETS[preset],
+    )
+    save_random_model(LlamaForCausalLM, config, out_dir, seed, lm_head_scale)
+    stamp_file.write_text(json.dumps(stamp))
+    return out_dir
+
+
+def token_ids(tokenizer) -> dict:
+    """The config entries every test model takes from its tokenizer (embedding rows rounded up to 64, as real
+    models do; end of text and end of a chat turn both stop generation)."""
+    return dict(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)],
         pad_token_id=tokenizer.pad_token_id,
-        **PRESETS[preset],
     )
+
+
+def save_random_model(model_cls, config, out_dir: Path, seed: int, lm_head_scale: float) -> None:
+    """Random weights from `seed` (the LM head scaled so logits are less tied), bf16, greedy generation config,
+    saved as safetensors."""
+    import torch
+    from transformers import GenerationConfig
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(lm_head_scale)
     model = model.to(torch.bfloat16)
@@ -146,20 +164,23 @@ def build(out_dir: str | Path, preset: str = "tiny-hd128", seed: int = 0, vocab_
         do_sample=False,
     )
     model.save_pretrained(out_dir, safe_serialization=True)
-    stamp_file.write_text(json.dumps(stamp))
-    return out_dir
+
+
+def cli(build_fn, presets: dict, default_preset: str, default_lm_head_scale: float, doc: str) -> None:
+    """The command line of a model builder: OUT_DIR [--preset] [--seed] [--vocab-size] [--lm-head-scale]."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--preset", default=default_preset, choices=sorted(presets))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=16384)
+    parser.add_argument("--lm-head-scale", type=float, default=default_lm_head_scale)
+    args = parser.parse_args()
+    path = build_fn(args.out_dir, args.preset, args.seed, args.vocab_size, args.lm_head_scale)
+    print(f"wrote {args.preset} (seed {args.seed}) to {path}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir")
-    parser.add_argument("--preset", default="tiny-hd128", choices=sorted(PRESETS))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=16384)
-    parser.add_argument("--lm-head-scale", type=float, default=4.0)
-    args = parser.parse_args()
-    path = build(args.out_dir, args.preset, args.seed, args.vocab_size, args.lm_head_scale)
-    print(f"wrote {args.preset} (seed {args.seed}) to {path}")
+    cli(build, PRESETS, "tiny-hd128", 4.0, __doc__)
 
 
 if __name__ == "__main__":

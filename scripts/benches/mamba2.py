@@ -2,16 +2,22 @@
 scan, same inputs, CUDA-graph replay. Paper cases (ThunderKittens: B=H=16, headdim 64, dstate 64, chunk 64) and
 serving cases (8 packed sequences of random lengths summing to 8192 tokens, 80 heads, dstate 128, chunk 256).
 
-Peers are imported lazily and skipped with a printed reason when missing: mamba_ssm from the pure-Python wheel in
-.whl_ssm (its package __init__ imports the compiled selective_scan_cuda, which this module stubs in a temp dir),
-vLLM 0.26's mamba_chunk_scan_combined_varlen (called through its signature, which changed across versions).
+Peers are imported lazily: mamba_ssm from the pure-Python wheel in .whl_ssm (its package __init__ imports the
+compiled selective_scan_cuda, which this module stubs in a temp dir), and vLLM's mamba_chunk_scan_combined_varlen,
+called exactly as vLLM 0.26's MambaMixer2 calls it (the same signature in 0.33): positional x, dt, A, B, C,
+chunk_size, cu_seqlens, cu_chunk_seqlens, last_chunk_indices, seq_idx, out, with chunk metadata built the way
+its metadata builder does. A peer that cannot be imported or fails is skipped with a "mamba2_ssd: SKIPPED ..."
+line, printed when it happens and again, with every other skip, as the family's last output (so a `| tail`
+of the run still shows it), and noted on the tk row of the case. Each peer's output is also checked against
+tk's on the timed inputs (max |difference| printed), so a row always measures a call that computed the scan.
 """
 from __future__ import annotations
 
-import inspect
+import math
 import random
 import sys
 import tempfile
+import traceback
 
 import torch
 
@@ -23,6 +29,22 @@ SERVING = [(80, 64, 128, 1, 256), (80, 64, 128, 8, 256)]            # heads, hea
 SERVING_TOKENS, SERVING_SEQS = 8192, 8
 
 
+SKIPPED: list[str] = []
+
+
+def _skip(peer: str, why: str, exc: BaseException | None = None) -> str:
+    """Say loudly (stdout and stderr, flushed) that a peer is left out, and remember it for the summary."""
+    line = f"mamba2_ssd: SKIPPED {peer}: {why}"
+    if exc is not None:
+        where = traceback.extract_tb(exc.__traceback__)[-1:]
+        at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+        line += f" ({type(exc).__name__}: {exc}{at})"
+    SKIPPED.append(line)
+    print(line, flush=True)
+    print(line, file=sys.stderr, flush=True)
+    return line
+
+
 def _mamba_ssm():
     try:
         stub = tempfile.mkdtemp(prefix="tk_stub_")
@@ -32,39 +54,48 @@ def _mamba_ssm():
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         return mamba_chunk_scan_combined
     except Exception as exc:  # noqa: BLE001 (any import failure means: skip this peer)
-        print(f"mamba2_ssd: skipping mamba_ssm ({type(exc).__name__}: {exc})")
+        _skip("mamba_ssm", "cannot import mamba_ssm.ops.triton.ssd_combined", exc)
         return None
 
 
 def _vllm():
     try:
+        import vllm
         from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+        print(f"mamba2_ssd: vllm_triton is vLLM {vllm.__version__}'s mamba_chunk_scan_combined_varlen", flush=True)
         return mamba_chunk_scan_combined_varlen
     except Exception as exc:  # noqa: BLE001
-        print(f"mamba2_ssd: skipping vllm_triton ({type(exc).__name__}: {exc})")
+        _skip("vllm_triton", "cannot import vllm.model_executor.layers.mamba.ops.ssd_combined "
+              "(GPU host: source /tmp/vllm_site/env.sh and keep /tmp/vllm_site on PYTHONPATH)", exc)
         return None
 
 
-def _vllm_chunk_metadata(lengths: list[int], chunk: int, device) -> dict:
-    """vLLM's chunk metadata: chunks never straddle sequences (cu_chunk_seqlens, seq_idx per chunk, last chunk)."""
-    bounds, seq_idx, last = [0], [], []
-    start = 0
-    for s, n in enumerate(lengths):
-        for c in range(start, start + n, chunk):
-            bounds.append(min(c + chunk, start + n))
+def _vllm_chunk_metadata(lengths: list[int], chunk: int, device, computed: list[int] | None = None) -> dict:
+    """The chunk metadata vLLM's Mamba metadata builder makes (BaseMambaAttentionMetadataBuilder.
+    _compute_chunk_metadata, 0.26): chunks never straddle sequences and end on multiples of chunk in each
+    sequence's absolute positions (a first short chunk finishes a partly computed one). computed[s] = tokens
+    sequence s already has in its state (0: chunks start at the sequence start)."""
+    computed = computed or [0] * len(lengths)
+    bounds, seq_idx, last = [], [], []
+    pos = 0
+    for s, (n, done) in enumerate(zip(lengths, computed)):
+        if done % chunk:
+            take = min(-(-done // chunk) * chunk - done, n)
             seq_idx.append(s)
-        last.append(len(seq_idx) - 1)
-        start += n
+            bounds.append(pos)
+            pos, n = pos + take, n - take
+        for _ in range(-(-n // chunk)):
+            take = min(chunk, n)
+            seq_idx.append(s)
+            bounds.append(pos)
+            pos, n = pos + take, n - take
+        last.append(len(bounds) - 1)
+    bounds.append(pos)
     as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
     return dict(cu_seqlens=as_t(cu), cu_chunk_seqlens=as_t(bounds), seq_idx=as_t(seq_idx), last_chunk_indices=as_t(last))
-
-
-def _call_by_name(fn, **kw):
-    params = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kw.items() if k in params})
 
 
 def _inputs(batch, seqlen, heads, headdim, dstate, groups, sets):
@@ -98,7 +129,13 @@ def run(quick: bool = False) -> list[Row]:
         if ssm is not None:
             impls["mamba_ssm"] = lambda i: ssm(**inp[i], chunk_size=chunk, dt_softplus=True)
         for name, call in impls.items():
-            ms = time_per_call(call, sets)
+            try:
+                ms = time_per_call(call, sets)
+            except Exception as exc:  # noqa: BLE001
+                if name == "tk":
+                    raise
+                _skip(name, f"failed on {case}", exc)
+                continue
             rows.append(Row("mamba2_ssd", case, name, ms, tbps=per_set / ms / 1e9))
         del inp, outs
         torch.cuda.empty_cache()
@@ -122,19 +159,44 @@ def run(quick: bool = False) -> list[Row]:
                                                       initial_states=states0[i], dt_softplus=True, out=outs[i])
         impls = {"tk": tk_call}
         if vllm is not None:
-            def vllm_call(i):
+            vllm_outs = [torch.empty_like(o) for o in outs]
+
+            def vllm_call(i):  # exactly MambaMixer2's call (vLLM 0.26 / 0.33), states kept in float32
                 d = inp[i]
-                return _call_by_name(vllm, x=d["x"][0], dt=d["dt"][0], A=d["A"], B=d["B"][0], C=d["C"][0],
-                                     chunk_size=chunk, out=outs[i], D=d["D"], dt_bias=d["dt_bias"],
-                                     initial_states=states0[i], dt_softplus=True, **meta)
+                return vllm(d["x"][0], d["dt"][0], d["A"], d["B"][0], d["C"][0], chunk, meta["cu_seqlens"],
+                            meta["cu_chunk_seqlens"], meta["last_chunk_indices"], meta["seq_idx"], vllm_outs[i],
+                            D=d["D"], z=None, dt_bias=d["dt_bias"], initial_states=states0[i], dt_softplus=True,
+                            dt_limit=(0.0, math.inf), return_intermediate_states=False, state_dtype=torch.float32)
             impls["vllm_triton"] = vllm_call
+        notes = []
         for name, call in impls.items():
             try:
+                if name == "vllm_triton":  # a wrong call must not time as a fast one
+                    tk_call(0)
+                    call(0)
+                    torch.cuda.synchronize()
+                    diff = (vllm_outs[0].float() - outs[0].float()).abs().max().item()
+                    scale = outs[0].float().abs().max().item()
+                    print(f"mamba2_ssd: {case}: vllm_triton vs tk max |y difference| {diff:.3g} (max |y| {scale:.3g})",
+                          flush=True)
+                    if not math.isfinite(diff) or diff > 0.05 * max(scale, 1.0):
+                        raise ValueError(f"vllm_triton's output differs from tk's by {diff:.3g} (max |y| {scale:.3g})")
                 ms = time_per_call(call, sets)
             except Exception as exc:  # noqa: BLE001 (a peer's API drift must not sink the family)
-                print(f"mamba2_ssd: {name} failed on {case}: {type(exc).__name__}: {exc}")
+                if name == "tk":
+                    raise
+                notes.append(_skip(name, f"failed on {case}", exc).removeprefix("mamba2_ssd: "))
                 continue
             rows.append(Row("mamba2_ssd", case, name, ms, tbps=per_set / ms / 1e9))
+        if vllm is None:
+            notes.append("vllm_triton skipped (not importable)")
+        for r in rows:
+            if r.case == case and r.impl == "tk" and notes:
+                r.note = "; ".join(notes)
         del inp, outs, states0
         torch.cuda.empty_cache()
+    for line in SKIPPED:  # again, last, so that a `| tail` of the run shows every skipped peer
+        print(line, flush=True)
+    if not SKIPPED:
+        print("mamba2_ssd: every peer ran (mamba_ssm, vllm_triton)", flush=True)
     return rows

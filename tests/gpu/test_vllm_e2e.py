@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu.vllm_harness import greedy_prefix, greedy_tokens, prompt_logprobs, teacher_forced
+
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +58,7 @@ def _prompts(vocab: int, seed: int = 1234) -> list[list[int]]:
 
 def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1) -> None:
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
     vocab = len(AutoTokenizer.from_pretrained(model))
@@ -66,21 +68,9 @@ def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1
         max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, enable_chunked_prefill=True,
         enable_prefix_caching=True, gpu_memory_utilization=0.4, enforce_eager=False,
     )
-    teacher = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0))
-    token_logprobs, top1 = [], []
-    for prompt, output in zip(prompts, teacher):
-        ids = prompt["prompt_token_ids"]
-        lp, best = [], []
-        for pos, entry in enumerate(output.prompt_logprobs):
-            if entry is None:
-                continue
-            lp.append(entry[ids[pos]].logprob)
-            best.append(min(entry.items(), key=lambda kv: kv[1].rank)[0])
-        token_logprobs.append(lp)
-        top1.append(best)
-    greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
-    first = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
-    second = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]  # prefix-cache hits
+    token_logprobs, top1 = prompt_logprobs(llm, prompts)
+    first = greedy_tokens(llm, prompts, GREEDY_TOKENS)
+    second = greedy_tokens(llm, prompts, GREEDY_TOKENS)  # prefix-cache hits
     Path(out).write_text(json.dumps({"name": f"{backend}@tp{tensor_parallel_size}", "token_logprobs": token_logprobs,
                                      "top1": top1, "greedy": first, "greedy_cached": second}))
 
@@ -101,29 +91,6 @@ def _run(model_dir: Path, backend: str, out_dir: Path, tensor_parallel_size: int
 
 
 # ------------------------------------------------------------------------------------------------ metrics
-
-
-def teacher_forced(a: dict, b: dict) -> tuple[float, float]:
-    """(top-1 agreement, max |logprob difference|) over every position of every prompt."""
-    agree = total = 0
-    worst = 0.0
-    for lp_a, lp_b, t_a, t_b in zip(a["token_logprobs"], b["token_logprobs"], a["top1"], b["top1"]):
-        assert len(lp_a) == len(lp_b)
-        agree += sum(x == y for x, y in zip(t_a, t_b))
-        total += len(t_a)
-        worst = max([worst] + [abs(x - y) for x, y in zip(lp_a, lp_b)])
-    return agree / total, worst
-
-
-def greedy_prefix(a: dict, b: dict, key_a: str = "greedy", key_b: str = "greedy") -> float:
-    """Mean length of the identical greedy prefix."""
-    lengths = []
-    for x, y in zip(a[key_a], b[key_b]):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        lengths.append(n)
-    return sum(lengths) / len(lengths)
 
 
 def assert_agrees_like_yardstick(candidate: tuple[dict, dict], yardstick: tuple[dict, dict]) -> str:

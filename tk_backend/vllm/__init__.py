@@ -51,6 +51,17 @@ def register() -> None:
             f"backend; another plugin took the name. Select the TK backend with --attention-backend CUSTOM."
         )
 
+    # Mamba-2: MambaMixer2's SSD scan / state update on TK's kernels, opt-in (this backend selected, or
+    # TK_MAMBA=1); installed once vLLM imports its mixer module. See mamba.py.
+    from tk_backend.vllm import mamba
+
+    mamba.register()
+
+    # Out-of-tree models (Based): registered by path, imported only when vLLM loads one. See model_registry.py.
+    from tk_backend.vllm.model_registry import register_models
+
+    register_models()
+
 
 register()
 

@@ -1,0 +1,191 @@
+"""End to end on an H200: the Based model (tk_backend.models) in transformers and in vLLM (0.26.0 on the GPU host).
+
+The random-weight Based model of examples/build_tiny_based.py (linear attention, sliding-window attention and
+BaseConv layers) runs, each in its own process (python -m tests.gpu.test_vllm_based_e2e --worker ...):
+
+* transformers, bfloat16, on tk_backend's kernels (parallel_based / based_step / flash_attn_func): "hf-tk";
+* transformers, float32, on the pure-torch references (the same weights upcast): "hf-fp32", the accuracy anchor;
+* vLLM with the TK attention backend, its recurrent state in vLLM's state cache, chunked prefill (prompts up to
+  1500 tokens against a 512-token step budget, so long prompts continue from a cached state), CUDA graphs on
+  ("vllm-graph") and off ("vllm-eager").
+
+Measured on 32 random prompts: teacher-forced prompt logprobs (top-1 agreement, max |logprob difference| of the
+prompt token) and the identical greedy prefix (32 new tokens). Random models have nearly tied logits, so two
+correct implementations disagree somewhat; hf-tk vs hf-fp32 is the yardstick and vLLM must agree with hf-fp32
+about as well (margins printed with every number). A last test serves the model on the OpenAI API.
+Needs vLLM importable (GPU host: source /tmp/vllm_site/env.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.vllm_harness import greedy_prefix, greedy_tokens, prompt_logprobs, teacher_forced
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_PROMPTS = 32
+GREEDY_TOKENS = 32
+WORKER_TIMEOUT_S = 900
+TOP1_MARGIN = 0.01
+MAX_DIFF_FACTOR, MAX_DIFF_SLACK = 1.5, 0.05
+PREFIX_FACTOR = 0.8
+
+
+def _prompts(vocab: int, seed: int = 4321) -> list[list[int]]:
+    rng = random.Random(seed)
+    low = 16  # clear of the special tokens
+    prompts = []
+    for _ in range(NUM_PROMPTS):
+        n = rng.choice([rng.randint(2, 63), rng.randint(64, 700), rng.randint(701, 1500)])
+        prompts.append([rng.randrange(low, vocab) for _ in range(n)])
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+
+def run_hf_worker(model_dir: str, mode: str, out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import tk_backend.models
+    from tk_backend.models.modeling_based import kernels_usable
+
+    tk_backend.models.register()
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    dtype = torch.bfloat16 if mode == "tk" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    probe = torch.zeros(1, device="cuda", dtype=dtype)
+    assert kernels_usable(probe) == (mode == "tk"), f"hf-{mode}: kernels_usable is {kernels_usable(probe)}"
+    token_logprobs, top1, greedy = [], [], []
+    with torch.no_grad():
+        for prompt in _prompts(vocab):
+            ids = torch.tensor([prompt], device="cuda")
+            logprobs = model(ids, use_cache=False).logits[0, :-1].float().log_softmax(-1)
+            token_logprobs.append(logprobs.gather(-1, ids[0, 1:, None])[:, 0].tolist())
+            top1.append(logprobs.argmax(-1).tolist())
+            greedy.append(model.greedy(ids, GREEDY_TOKENS)[0].tolist())
+    Path(out).write_text(json.dumps({"name": f"hf-{mode}", "token_logprobs": token_logprobs, "top1": top1,
+                                     "greedy": greedy}))
+
+
+def run_vllm_worker(model_dir: str, mode: str, out: str) -> None:
+    from transformers import AutoTokenizer
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    vocab = len(AutoTokenizer.from_pretrained(model_dir))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(vocab)]
+    llm = LLM(
+        model=model_dir, attention_backend="TK", seed=0, max_model_len=2048, max_num_seqs=64,
+        max_num_batched_tokens=512, enable_chunked_prefill=True, enable_prefix_caching=False,
+        gpu_memory_utilization=0.4, enforce_eager=(mode == "eager"),
+    )
+    token_logprobs, top1 = prompt_logprobs(llm, prompts)
+    tokens = greedy_tokens(llm, prompts, GREEDY_TOKENS)
+    Path(out).write_text(json.dumps({"name": f"vllm-{mode}", "token_logprobs": token_logprobs, "top1": top1,
+                                     "greedy": tokens}))
+
+
+def _run(model_dir: Path, kind: str, mode: str, out_dir: Path) -> dict:
+    out = out_dir / f"{kind}_{mode}.json"
+    if not out.exists():
+        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}  # plugins (and the model registration) load in spawned workers
+        command = [sys.executable, "-m", "tests.gpu.test_vllm_based_e2e", "--worker", kind, "--model", str(model_dir),
+                   "--mode", mode, "--out", str(out)]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        assert proc.returncode == 0, f"{kind}-{mode} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def assert_agrees_like_yardstick(candidate: tuple[dict, dict], yardstick: tuple[dict, dict]) -> str:
+    (a, b), (x, y) = candidate, yardstick
+    top1_c, diff_c = teacher_forced(a, b)
+    top1_y, diff_y = teacher_forced(x, y)
+    prefix_c, prefix_y = greedy_prefix(a, b), greedy_prefix(x, y)
+    report = (f"{a['name']} vs {b['name']}: top-1 {top1_c:.4f}, max |dlogprob| {diff_c:.4f}, greedy prefix "
+              f"{prefix_c:.1f}/{GREEDY_TOKENS} | yardstick {x['name']} vs {y['name']}: top-1 {top1_y:.4f}, "
+              f"max |dlogprob| {diff_y:.4f}, greedy prefix {prefix_y:.1f}/{GREEDY_TOKENS}")
+    print(report)
+    assert all(math.isfinite(v) for lp in a["token_logprobs"] for v in lp), f"{a['name']}: non-finite logprobs"
+    assert top1_c >= top1_y - TOP1_MARGIN, report
+    assert diff_c <= MAX_DIFF_FACTOR * diff_y + MAX_DIFF_SLACK, report
+    assert prefix_c >= PREFIX_FACTOR * prefix_y, report
+    return report
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pytest.skip("vLLM is not importable (GPU host: source /tmp/vllm_site/env.sh)")
+    sys.path.insert(0, str(REPO / "examples"))
+    from build_tiny_based import build
+
+    return build(tmp_path_factory.mktemp("vllm_based") / "tiny-based", preset="tiny-based")
+
+
+def test_vllm_based_agrees_with_transformers(model_dir):
+    out_dir = model_dir.parent
+    fp32 = _run(model_dir, "hf", "fp32", out_dir)
+    hf_tk = _run(model_dir, "hf", "tk", out_dir)
+    graph = _run(model_dir, "vllm", "graph", out_dir)
+    eager = _run(model_dir, "vllm", "eager", out_dir)
+    top1, diff = teacher_forced(graph, hf_tk)
+    print(f"vllm-graph vs hf-tk: top-1 {top1:.4f}, max |dlogprob| {diff:.4f}, greedy prefix "
+          f"{greedy_prefix(graph, hf_tk):.1f}/{GREEDY_TOKENS}; vllm-graph vs vllm-eager greedy prefix "
+          f"{greedy_prefix(graph, eager):.1f}/{GREEDY_TOKENS}")
+    assert_agrees_like_yardstick((graph, fp32), (hf_tk, fp32))
+    assert_agrees_like_yardstick((eager, fp32), (hf_tk, fp32))
+
+
+def test_openai_server_answers_with_based(model_dir):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import serve_demo
+
+    port = serve_demo.free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    command = ["vllm", "serve", str(model_dir), "--served-model-name", serve_demo.SERVED_NAME, "--host", "127.0.0.1",
+               "--port", str(port), "--attention-backend", "TK", "--max-model-len", "2048",
+               "--gpu-memory-utilization", "0.3", "--no-enable-prefix-caching"]
+    log = model_dir.parent / "serve.log"
+    with open(log, "w") as log_file:
+        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            try:
+                serve_demo.wait_ready(base, server, timeout=600)
+            except (RuntimeError, TimeoutError) as exc:
+                pytest.fail(f"{exc}\n{log.read_text()[-8000:]}")
+            results = serve_demo.run_requests(base, burst=8, burst_tokens=32)
+        finally:
+            serve_demo.stop(server)
+    print(json.dumps(results, indent=1))
+    assert results["completion"]["tokens"] > 0 and results["chat"]["tokens"] > 0
+    assert results["burst"]["tokens"] == 8 * 32
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=["hf", "vllm"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--mode", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    (run_hf_worker if args.worker == "hf" else run_vllm_worker)(args.model, args.mode, args.out)

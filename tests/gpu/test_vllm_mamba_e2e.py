@@ -1,0 +1,168 @@
+"""End to end on an H200 with vLLM (0.26.0 on the GPU host): a Mamba-2 model served with TK's SSD ops
+(tk_backend.vllm.mamba) against vLLM's own Triton path.
+
+Each path serves the same random-weight Mamba2ForCausalLM (examples/build_tiny_mamba2.py) and the same 48
+random prompts in its own process (python -m tests.gpu.test_vllm_mamba_e2e --worker ...), with CUDA graphs
+on (decode runs in captured full graphs), chunked prefill with a 512-token step budget (prompts up to 1500
+tokens, so long prompts continue from the cached SSM state over several steps, packed with other requests)
+and prefix caching off (vLLM 0.26's Mamba prefix caching is experimental and its default "all" mode asks
+for per-chunk states, which TK hands back to Triton). Measured:
+
+* teacher-forced: prompt logprobs at every position; top-1 agreement and the largest |logprob difference|
+  of the prompt token;
+* free-running: the length of the identical greedy prefix (48 new tokens).
+
+Yardstick ("as closely as two correct paths do"): the Triton worker also runs every prompt alone, which
+changes where chunked prefill cuts each prompt and so where the state is rounded to the cache's bfloat16
+and how Triton splits its chunks. TK vs Triton (both batched) must agree at least as well as Triton batched
+vs Triton alone, within the same noise margins as tests/gpu/test_vllm_e2e.py, or, if that yardstick is
+unusually tight, reach an absolute bar (top-1 >= 0.99 and max |dlogprob| <= 0.25). Every number is printed.
+
+The engine runs in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the worker can read
+tk_backend.vllm.mamba.STATS and the test checks which path actually ran: TK's scan and update with no
+fallback in the TK worker, none of TK's in the Triton worker. One preset turns TK on with TK_MAMBA=1, the
+other with `attention_backend="TK"` (the other documented switch). Needs vLLM importable (GPU host: source
+/tmp/vllm_site/env.sh). About 3 minutes per preset.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.vllm_harness import greedy_prefix, greedy_tokens, prompt_logprobs, teacher_forced
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_PROMPTS = 48
+GREEDY_TOKENS = 48
+WORKER_TIMEOUT_S = 900
+TOP1_MARGIN = 0.005
+MAX_DIFF_FACTOR, MAX_DIFF_SLACK = 1.25, 0.02
+PREFIX_FACTOR, PREFIX_SLACK = 0.9, 1.0
+ABS_TOP1_OK, ABS_MAX_DIFF_OK = 0.99, 0.25
+
+
+def _prompts(vocab: int, seed: int = 4321) -> list[list[int]]:
+    rng = random.Random(seed)
+    low = 16  # keep clear of the special tokens
+    edges = [1, 2, 63, 64, 65, 255, 256, 257, 511, 512, 513, 1024]  # kernel chunk (64), vLLM chunk (256), budget
+    lengths = edges + [rng.choice([rng.randint(3, 64), rng.randint(65, 700), rng.randint(701, 1500)])
+                       for _ in range(NUM_PROMPTS - len(edges))]
+    rng.shuffle(lengths)
+    return [[rng.randrange(low, vocab) for _ in range(n)] for n in lengths]
+
+
+# ------------------------------------------------------------------------------------------------- worker
+
+
+def run_worker(model: str, path: str, enable: str, out: str) -> None:
+    from transformers import AutoTokenizer
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(vocab)]
+    extra = {"attention_backend": "TK"} if path == "tk" and enable == "backend" else {}
+    llm = LLM(
+        model=model, seed=0, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512,
+        enable_chunked_prefill=True, enable_prefix_caching=False, gpu_memory_utilization=0.4, enforce_eager=False,
+        **extra,
+    )
+    token_logprobs, top1 = prompt_logprobs(llm, prompts)
+    result = {"name": path, "token_logprobs": token_logprobs, "top1": top1, "greedy": greedy_tokens(llm, prompts, GREEDY_TOKENS)}
+    if path == "triton":  # the yardstick: the same path, every prompt alone (other chunk cuts)
+        solo_lp, solo_top1 = prompt_logprobs(llm, prompts, one_at_a_time=True)
+        result["solo"] = {"name": "triton-solo", "token_logprobs": solo_lp, "top1": solo_top1,
+                          "greedy": greedy_tokens(llm, prompts, GREEDY_TOKENS, one_at_a_time=True)}
+    from tk_backend.vllm import mamba as tk_mamba
+
+    result["stats"] = dict(tk_mamba.STATS)
+    Path(out).write_text(json.dumps(result))
+
+
+def _run(model_dir: Path, path: str, enable: str, out_dir: Path) -> dict:
+    out = out_dir / f"{path}_{enable}.json"
+    if not out.exists():
+        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine in this process: STATS readable
+        env.pop("TK_MAMBA", None)
+        if path == "triton":
+            env["TK_MAMBA"] = "0"
+        elif enable == "env":
+            env["TK_MAMBA"] = "1"
+        command = [sys.executable, "-m", "tests.gpu.test_vllm_mamba_e2e", "--worker", "--model", str(model_dir),
+                   "--path", path, "--enable", enable, "--out", str(out)]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+        assert proc.returncode == 0, f"{path} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        tk_lines = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "tk_backend" in line]
+        print(f"{path} worker's tk_backend log lines:", *tk_lines[:10], sep="\n  ")
+    return json.loads(out.read_text())
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def assert_agrees_like_two_correct_paths(tk: dict, triton: dict) -> str:
+    yard_a, yard_b = triton, triton["solo"]
+    top1_c, diff_c = teacher_forced(tk, triton)
+    top1_y, diff_y = teacher_forced(yard_a, yard_b)
+    prefix_c, prefix_y = greedy_prefix(tk, triton), greedy_prefix(yard_a, yard_b)
+    report = (
+        f"TK vs Triton: top-1 {top1_c:.4f}, max |dlogprob| {diff_c:.4f}, greedy prefix {prefix_c:.1f}/"
+        f"{GREEDY_TOKENS} | yardstick Triton batched vs alone: top-1 {top1_y:.4f}, max |dlogprob| {diff_y:.4f}, "
+        f"greedy prefix {prefix_y:.1f}/{GREEDY_TOKENS} | TK stats {tk['stats']} | Triton stats {triton['stats']}"
+    )
+    print(report)
+    assert all(math.isfinite(v) for lp in tk["token_logprobs"] for v in lp), "TK: non-finite logprobs"
+    assert top1_c >= min(top1_y, ABS_TOP1_OK) - TOP1_MARGIN, report
+    assert diff_c <= max(MAX_DIFF_FACTOR * diff_y + MAX_DIFF_SLACK, ABS_MAX_DIFF_OK), report
+    assert prefix_c >= PREFIX_FACTOR * prefix_y - PREFIX_SLACK, report
+    return report
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pytest.skip("vLLM is not importable (GPU host: source /tmp/vllm_site/env.sh)")
+    return tmp_path_factory.mktemp("vllm_mamba_e2e")
+
+
+@pytest.mark.parametrize("preset, enable", [("mamba2-n128-g8", "env"), ("mamba2-n64-g1", "backend")])
+def test_tk_ssd_agrees_with_vllm_triton_like_two_correct_paths(workdir, preset, enable):
+    sys.path.insert(0, str(REPO / "examples"))
+    from build_tiny_mamba2 import build
+
+    model = build(workdir / preset, preset=preset)
+    triton = _run(model, "triton", enable, workdir / preset)
+    tk = _run(model, "tk", enable, workdir / preset)
+    stats_tk, stats_triton = tk["stats"], triton["stats"]
+    assert stats_tk.get("tk_scan", 0) > 0 and stats_tk.get("tk_update", 0) > 0, \
+        f"TK's ops did not run in the TK worker (TK switched on by {enable}): {stats_tk}"
+    assert stats_tk.get("fallback_scan", 0) == 0 and stats_tk.get("fallback_update", 0) == 0, \
+        f"TK fell back to Triton: {stats_tk}"
+    assert stats_triton.get("tk_scan", 0) == 0 and stats_triton.get("tk_update", 0) == 0, \
+        f"TK's ops ran in the Triton worker: {stats_triton}"
+    assert_agrees_like_two_correct_paths(tk, triton)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--path", choices=["tk", "triton"], required=True)
+    parser.add_argument("--enable", choices=["env", "backend"], required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    run_worker(args.model, args.path, args.enable, args.out)

@@ -1,0 +1,59 @@
+"""What the vLLM end-to-end tests share: reading prompt logprobs and greedy tokens out of an engine (inside a
+worker process), and comparing two such runs (in the test process)."""
+from __future__ import annotations
+
+
+def _generate(llm, prompts, params, one_at_a_time: bool):
+    if one_at_a_time:  # every prompt alone: where chunked prefill cuts differs from the batched run
+        return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def prompt_logprobs(llm, prompts, one_at_a_time: bool = False) -> tuple[list[list[float]], list[list[int]]]:
+    """Teacher-forced: per prompt, the logprob of each prompt token and the top-1 token at each position."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+    token_logprobs, top1 = [], []
+    for prompt, output in zip(prompts, _generate(llm, prompts, params, one_at_a_time)):
+        ids = prompt["prompt_token_ids"]
+        lp, best = [], []
+        for pos, entry in enumerate(output.prompt_logprobs):
+            if entry is None:
+                continue
+            lp.append(entry[ids[pos]].logprob)
+            best.append(min(entry.items(), key=lambda kv: kv[1].rank)[0])
+        token_logprobs.append(lp)
+        top1.append(best)
+    return token_logprobs, top1
+
+
+def greedy_tokens(llm, prompts, max_tokens: int, one_at_a_time: bool = False) -> list[list[int]]:
+    """Free-running: max_tokens greedy tokens per prompt (EOS ignored)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in _generate(llm, prompts, params, one_at_a_time)]
+
+
+def teacher_forced(a: dict, b: dict) -> tuple[float, float]:
+    """(top-1 agreement, max |logprob difference|) over every position of every prompt."""
+    agree = total = 0
+    worst = 0.0
+    for lp_a, lp_b, t_a, t_b in zip(a["token_logprobs"], b["token_logprobs"], a["top1"], b["top1"]):
+        assert len(lp_a) == len(lp_b)
+        agree += sum(x == y for x, y in zip(t_a, t_b))
+        total += len(t_a)
+        worst = max([worst] + [abs(x - y) for x, y in zip(lp_a, lp_b)])
+    return agree / total, worst
+
+
+def greedy_prefix(a: dict, b: dict, key_a: str = "greedy", key_b: str = "greedy") -> float:
+    """Mean length of the identical greedy prefix."""
+    lengths = []
+    for x, y in zip(a[key_a], b[key_b]):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        lengths.append(n)
+    return sum(lengths) / len(lengths)
