@@ -51,16 +51,24 @@ def register() -> None:
             f"backend; another plugin took the name. Select the TK backend with --attention-backend CUSTOM."
         )
 
+    # The optional integrations below must never take the attention backend down with them: a failure is
+    # logged with its reason and only that integration is missing.
     # Mamba-2: MambaMixer2's SSD scan / state update on TK's kernels, opt-in (this backend selected, or
     # TK_MAMBA=1); installed once vLLM imports its mixer module. See mamba.py.
-    from tk_backend.vllm import mamba
+    try:
+        from tk_backend.vllm import mamba
 
-    mamba.register()
+        mamba.register()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("tk_backend: the Mamba-2 mixer integration is unavailable (%s: %s)", type(exc).__name__, exc)
 
     # Out-of-tree models (Based): registered by path, imported only when vLLM loads one. See model_registry.py.
-    from tk_backend.vllm.model_registry import register_models
+    try:
+        from tk_backend.vllm.model_registry import register_models
 
-    register_models()
+        register_models()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("tk_backend: out-of-tree models are not registered (%s: %s)", type(exc).__name__, exc)
 
 
 register()
