@@ -134,6 +134,19 @@ def prefill_layout(md) -> list[tuple[int, int, int, bool]]:
 # ------------------------------------------------------------------------------------------------ mixers
 
 
+
+def _register_state_layer(layer, prefix: str, vllm_config) -> None:
+    """What vLLM expects of a layer with recurrent state (as its MambaBase layers do): its configs, an empty
+    kv_cache until the engine binds one, and an entry under its name in the forward context."""
+    layer.prefix = prefix
+    layer.model_config = vllm_config.model_config
+    layer.cache_config = vllm_config.cache_config
+    layer.kv_cache = (torch.tensor([]),)
+    context = get_current_vllm_config().compilation_config.static_forward_context
+    if prefix in context:
+        raise ValueError(f"Duplicate layer name: {prefix}")
+    context[prefix] = layer
+
 class BasedLinearAttention(nn.Module, MambaBase):
     """Taylor linear attention (feature dim 16) with its moments in vLLM's state cache."""
 
@@ -158,14 +171,7 @@ class BasedLinearAttention(nn.Module, MambaBase):
                                            prefix=f"{prefix}.proj_v")
         self.out_proj = RowParallelLinear(heads * self.head_dim, hidden, bias=False, quant_config=quant,
                                           prefix=f"{prefix}.out_proj")
-        self.prefix = prefix
-        self.model_config = vllm_config.model_config
-        self.cache_config = vllm_config.cache_config
-        self.kv_cache = (torch.tensor([]),)
-        context = get_current_vllm_config().compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        _register_state_layer(self, prefix, vllm_config)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -223,14 +229,7 @@ class BasedShortConv(nn.Module, MambaBase):
         self.conv.weight.data = self.conv.weight.data.unsqueeze(1)
         self.out_proj = RowParallelLinear(self.conv_dim, config.hidden_size, bias=config.conv_bias, quant_config=quant,
                                           prefix=f"{prefix}.out_proj")
-        self.prefix = prefix
-        self.model_config = vllm_config.model_config
-        self.cache_config = vllm_config.cache_config
-        self.kv_cache = (torch.tensor([]),)
-        context = get_current_vllm_config().compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        context[prefix] = self
+        _register_state_layer(self, prefix, vllm_config)
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
