@@ -54,10 +54,11 @@ cudaError_t run_roundtrip(const void* in, void* out, int rows, int cols) {
   return e != cudaSuccess ? e : cudaDeviceSynchronize();
 }
 
-// ---- wgmma: D[64, N] = A[64, K] @ B with A in shared or registers, B as K x N or N x K ----------
-template <int N, int K, bool ARegs, bool BIsNK>
+// ---- wgmma: D[64, N] = A[64, K] @ B with A in shared (64 x K, or K x 64 used transposed) or registers,
+// B as K x N or N x K ---------------------------------------------------------------------------------
+template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM = false>
 struct mma_case {
-  using a_tile = st_bf<64, K>;
+  using a_tile = std::conditional_t<AIsKM, st_bf<K, 64>, st_bf<64, K>>;
   using b_tile = std::conditional_t<BIsNK, st_bf<N, K>, st_bf<K, N>>;
   struct globals {
     gl<bf16, 1, 1, RUNTIME, RUNTIME, a_tile> a;
@@ -67,9 +68,9 @@ struct mma_case {
   struct smem_t { a_tile a; b_tile b; };
 };
 
-template <int N, int K, bool ARegs, bool BIsNK>
-__global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typename mma_case<N, K, ARegs, BIsNK>::globals g) {
-  using P = mma_case<N, K, ARegs, BIsNK>;
+template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM>
+__global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typename mma_case<N, K, ARegs, BIsNK, AIsKM>::globals g) {
+  using P = mma_case<N, K, ARegs, BIsNK, AIsKM>;
   extern __shared__ uint8_t raw[];
   auto& s = *reinterpret_cast<typename P::smem_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   __shared__ semaphore loaded;
@@ -82,7 +83,9 @@ __global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typena
   }
   wait(loaded, 0);
   rt_fl<16, N> d;
-  if constexpr (ARegs) {
+  if constexpr (AIsKM) {
+    warpgroup::mm_AtB(d, s.a, s.b);
+  } else if constexpr (ARegs) {
     rt_bf<16, K> a;
     warpgroup::load(a, s.a.ref());
     if constexpr (BIsNK) warpgroup::mm_ABt(d, a, s.b); else warpgroup::mm_AB(d, a, s.b);
@@ -93,14 +96,14 @@ __global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typena
   warpgroup::store(g.d, d, {});
 }
 
-template <int N, int K, bool ARegs, bool BIsNK>
+template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM = false>
 cudaError_t run_mma(const void* a, const void* b, void* d) {
-  using P = mma_case<N, K, ARegs, BIsNK>;
-  typename P::globals g{.a = {(bf16*)a, {1, 1, 64, K}},
+  using P = mma_case<N, K, ARegs, BIsNK, AIsKM>;
+  typename P::globals g{.a = {(bf16*)a, {1, 1, AIsKM ? K : 64, AIsKM ? 64 : K}},
                         .b = {(bf16*)b, {1, 1, BIsNK ? N : K, BIsNK ? K : N}},
                         .d = {(float*)d, {1, 1, 64, N}}};
   const int smem = sizeof(typename P::smem_t) + 1024;
-  auto* fn = &mma_kernel<N, K, ARegs, BIsNK>;
+  auto* fn = &mma_kernel<N, K, ARegs, BIsNK, AIsKM>;
   cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   fn<<<1, 128, smem>>>(g);
   cudaError_t e = cudaGetLastError();
@@ -158,6 +161,7 @@ int tk_prim_mma(int n, int variant, const void* a, const void* b, void* d) {
       case 1: return run_mma<N, 64, true, false>(a, b, d);               \
       case 2: return run_mma<N, 64, false, true>(a, b, d);               \
       case 3: return run_mma<N, 64, true, true>(a, b, d);                \
+      case 4: return run_mma<N, 64, false, false, true>(a, b, d);        \
     }
   TK_CASE(16) TK_CASE(64) TK_CASE(128) TK_CASE(256)
 #undef TK_CASE

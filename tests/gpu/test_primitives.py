@@ -76,6 +76,19 @@ def test_wgmma(prims, n, a_regs, b_is_nk):
     assert err < 1e-5, f"wgmma N={n} a_regs={a_regs} b_is_nk={b_is_nk}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("n", [16, 64, 128, 256])
+def test_wgmma_transposed_shared_a(prims, n):
+    """mm_AtB: A given as K x 64 in shared memory (MN-major descriptor), used transposed."""
+    k = 64
+    a_km = torch.randn(k, 64, device="cuda").bfloat16()
+    b = torch.randn(k, n, device="cuda").bfloat16()
+    d = torch.full((64, n), float("nan"), device="cuda")
+    assert prims.tk_prim_mma(n, 4, _ptr(a_km), _ptr(b), _ptr(d)) == 0
+    ref = a_km.double().T @ b.double()
+    err = ((d.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, f"wgmma A^T (shared, K x 64) N={n}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("col_layout", [False, True])
 def test_maps_reductions_masks(prims, col_layout):
     x = torch.randn(32, 64, device="cuda")

@@ -189,15 +189,16 @@ struct group {
   }
 
   // ---- warpgroup matrix multiply (wgmma), warpgroup scope only --------------------------------------
-  // d: per-warp rt_fl<16, N> (the warpgroup's 64 x N); a: rt<16, K> per warp, or a 64 x K shared tile;
-  // b: K x N (mm_AB / mma_AB) or N x K (mm_ABt / mma_ABt) shared tile. mm_* overwrite d, mma_* add to it.
+  // d: per-warp rt_fl<16, N> (the warpgroup's 64 x N); a: rt<16, K> per warp, a 64 x K shared tile, or
+  // (mm_AtB / mma_AtB) a K x 64 shared tile used transposed; b: K x N (mm_AB / mma_AB / *_AtB) or N x K
+  // (mm_ABt / mma_ABt) shared tile. mm_* overwrite d, mma_* add to it.
   // Each call issues its k-steps and commits them as one group; mma_async_wait<n>() retires groups.
-  template <bool Accumulate, bool BIsNK, typename D, typename A, typename B>
+  template <bool Accumulate, bool BIsNK, typename D, typename A, typename B, bool AIsKM = false>
   __device__ static __forceinline__ void mma(D& d, const A& a, const B& b_tile) requires(NW == 4) {
     const auto b = as_ref(b_tile);
     using BR = std::remove_cv_t<decltype(b)>;
     using T = typename BR::dtype;
-    constexpr int K = A::cols;
+    constexpr int K = AIsKM ? A::rows : A::cols;
     static_assert(std::is_same_v<typename A::dtype, T>, "wgmma: A and B must have the same element type");
     static_assert(K % 16 == 0, "wgmma: the reduction dim must be a multiple of 16");
     if constexpr (BIsNK) static_assert(BR::rows == D::cols && BR::cols == K, "mma_ABt: b must be N x K");
@@ -213,6 +214,10 @@ struct group {
                       "wgmma: a register A operand is a per-warp rt<16, K> in row layout");
         const uint32_t* regs = reinterpret_cast<const uint32_t*>(&a.data[0][ks][0]);
         wgmma::mma_step<T, true, BIsNK ? 0 : 1>(d, regs, 0, desc_b, scale_d);
+      } else if constexpr (AIsKM) {
+        const auto ar = as_ref(a);
+        static_assert(decltype(ar)::cols == 64, "wgmma: a transposed shared A operand is K x 64 (the warpgroup's M)");
+        wgmma::mma_step<T, false, BIsNK ? 0 : 1, D, 1>(d, nullptr, wgmma::descriptor<false>(ar, ks), desc_b, scale_d);
       } else {
         const auto ar = as_ref(a);
         static_assert(decltype(ar)::rows == 64, "wgmma: a shared A operand is 64 rows (the warpgroup's M)");
@@ -226,6 +231,9 @@ struct group {
   template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_AB(D& d, const A& a, const B& b) requires(NW == 4) { mma<true, false>(d, a, b); }
   template <typename D, typename A, typename B> __device__ static __forceinline__ void mm_ABt(D& d, const A& a, const B& b) requires(NW == 4) { mma<false, true>(d, a, b); }
   template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_ABt(D& d, const A& a, const B& b) requires(NW == 4) { mma<true, true>(d, a, b); }
+  // d (+)= a^T b with a a K x 64 shared tile (e.g. tokens x features): no transposed copy is made.
+  template <typename D, typename A, typename B> __device__ static __forceinline__ void mm_AtB(D& d, const A& a, const B& b) requires(NW == 4 && !register_tile<A>) { mma<false, false, D, A, B, true>(d, a, b); }
+  template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_AtB(D& d, const A& a, const B& b) requires(NW == 4 && !register_tile<A>) { mma<true, false, D, A, B, true>(d, a, b); }
   template <int Pending = 0> __device__ static __forceinline__ void mma_async_wait() requires(NW == 4) { wgmma::wait_group<Pending>(); }
 
   // ---- register budget (setmaxnreg): each role of a warp-specialised kernel resizes its own file -----
