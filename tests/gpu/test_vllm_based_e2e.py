@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import subprocess
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gpu import vllm_harness as harness
 from tests.gpu.vllm_harness import greedy_prefix, greedy_tokens, prompt_logprobs, teacher_forced
 
 pytestmark = pytest.mark.gpu
@@ -114,19 +114,10 @@ def _run(model_dir: Path, kind: str, mode: str, out_dir: Path) -> dict:
 
 
 def assert_agrees_like_yardstick(candidate: tuple[dict, dict], yardstick: tuple[dict, dict]) -> str:
-    (a, b), (x, y) = candidate, yardstick
-    top1_c, diff_c = teacher_forced(a, b)
-    top1_y, diff_y = teacher_forced(x, y)
-    prefix_c, prefix_y = greedy_prefix(a, b), greedy_prefix(x, y)
-    report = (f"{a['name']} vs {b['name']}: top-1 {top1_c:.4f}, max |dlogprob| {diff_c:.4f}, greedy prefix "
-              f"{prefix_c:.1f}/{GREEDY_TOKENS} | yardstick {x['name']} vs {y['name']}: top-1 {top1_y:.4f}, "
-              f"max |dlogprob| {diff_y:.4f}, greedy prefix {prefix_y:.1f}/{GREEDY_TOKENS}")
-    print(report)
-    assert all(math.isfinite(v) for lp in a["token_logprobs"] for v in lp), f"{a['name']}: non-finite logprobs"
-    assert top1_c >= top1_y - TOP1_MARGIN, report
-    assert diff_c <= MAX_DIFF_FACTOR * diff_y + MAX_DIFF_SLACK, report
-    assert prefix_c >= PREFIX_FACTOR * prefix_y, report
-    return report
+    """The candidate pair agrees at least as well as the yardstick pair (two correct implementations) does."""
+    return harness.assert_agrees_like_yardstick(
+        candidate, yardstick, greedy_tokens=GREEDY_TOKENS, top1_margin=TOP1_MARGIN, max_diff_factor=MAX_DIFF_FACTOR,
+        max_diff_slack=MAX_DIFF_SLACK, prefix_factor=PREFIX_FACTOR)
 
 
 @pytest.fixture(scope="module")

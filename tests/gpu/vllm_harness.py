@@ -57,3 +57,27 @@ def greedy_prefix(a: dict, b: dict, key_a: str = "greedy", key_b: str = "greedy"
             n += 1
         lengths.append(n)
     return sum(lengths) / len(lengths)
+
+
+def assert_agrees_like_yardstick(candidate: tuple[dict, dict], yardstick: tuple[dict, dict], *, greedy_tokens: int,
+                                 top1_margin: float, max_diff_factor: float, max_diff_slack: float,
+                                 prefix_factor: float, extra: str = "") -> str:
+    """The candidate pair agrees at least as well as the yardstick pair (two correct implementations) does,
+    within the caller's noise margins; returns (and prints) the report."""
+    import math
+
+    (a, b), (x, y) = candidate, yardstick
+    top1_c, diff_c = teacher_forced(a, b)
+    top1_y, diff_y = teacher_forced(x, y)
+    prefix_c, prefix_y = greedy_prefix(a, b), greedy_prefix(x, y)
+    report = (
+        f"{a['name']} vs {b['name']}: top-1 {top1_c:.4f}, max |dlogprob| {diff_c:.4f}, greedy prefix "
+        f"{prefix_c:.1f}/{greedy_tokens} | yardstick {x['name']} vs {y['name']}: top-1 {top1_y:.4f}, "
+        f"max |dlogprob| {diff_y:.4f}, greedy prefix {prefix_y:.1f}/{greedy_tokens}{extra}"
+    )
+    print(report)
+    assert all(math.isfinite(v) for lp in a["token_logprobs"] for v in lp), f"{a['name']}: non-finite logprobs"
+    assert top1_c >= top1_y - top1_margin, report
+    assert diff_c <= max_diff_factor * diff_y + max_diff_slack, report
+    assert prefix_c >= prefix_factor * prefix_y, report
+    return report
