@@ -83,7 +83,7 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.window_right = int(window_right);
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
-  (void)max_seqlen_k;
+  p.max_seqlen_k = int(std::max<int64_t>(max_seqlen_k, 1));
   tk::attn_varlen(p, chk::sm_count(q.get_device()), c10::cuda::getCurrentCUDAStream());
 }
 

@@ -6,6 +6,7 @@
 // owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
 // (masks only on tiles that need them), then O += P V with P straight from registers. The two consumers
 // take turns on the tensor cores (ping-pong), and each overlaps its softmax with its previous P V.
+#include <algorithm>
 #include <cfloat>
 #include "../kittens/kittens.cuh"
 #include "attention.h"
@@ -40,6 +41,7 @@ struct attn_prefill {
     const int *cu_q, *cu_k, *seqused_k, *block_table;
     long bt_stride;
     int batch, hq, group, q_blocks, block_size, paged, causal, window_left, window_right;
+    int heads_per_group;  // (sequence, head) pairs whose K/V fit in L2 together (see task)
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
   };
   struct input_block { kv_tile k, v; };
@@ -83,12 +85,19 @@ struct attn_prefill {
   __device__ static float exp_scale(const globals& g) { return g.softcap > 0.f ? LOG2E : g.scale_log2; }
 
   __device__ static int task_count(const globals& g) { return g.q_blocks * g.batch * g.hq; }
+  // Task order, L2-aware: (sequence, head) pairs go in groups of heads_per_group, whose K/V fit in L2 together;
+  // within a group the query blocks go latest (longest under a causal mask) first, the group's heads
+  // interleaved, so the CTAs running at once stream the same few heads' K/V and read them from L2. (Head-major
+  // over all pairs would give every CTA its own head and make the kernel HBM-bound.)
   __device__ static task_t task(const globals& g, int id, int) {
     task_t t;
-    const int heads = g.batch * g.hq;
-    t.qb = g.q_blocks - 1 - id / heads;  // the latest query blocks see the most keys: start them first
-    t.b = (id % heads) / g.hq;
-    t.h = id % g.hq;
+    const int heads = g.batch * g.hq, per_group = g.heads_per_group * g.q_blocks;
+    const int group = id / per_group, first = group * g.heads_per_group, in_group = id - group * per_group;
+    const int group_heads = min(g.heads_per_group, heads - first);
+    t.qb = g.q_blocks - 1 - in_group / group_heads;
+    const int pair = first + in_group % group_heads;  // consecutive q heads share a kv head under GQA
+    t.b = pair / g.hq;
+    t.h = pair % g.hq;
     t.q0 = g.cu_q[t.b];
     t.lq = g.cu_q[t.b + 1] - t.q0;
     t.lk = g.seqused_k ? g.seqused_k[t.b] : g.cu_k[t.b + 1] - g.cu_k[t.b];
@@ -237,6 +246,18 @@ struct attn_prefill {
   }
 };
 
+// How many (sequence, q head) pairs' K/V fit in half of L2 (the other half: Q, O and whatever else is live).
+// q heads of one kv head share its K/V, so a group counts kv heads' bytes.
+inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim) {
+  int device = 0, l2_bytes = 0;
+  TK_CUDA_CHECK(cudaGetDevice(&device));
+  TK_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const long kv_bytes = std::max<long>(1, long(p.max_seqlen_k) * head_dim * 2 * 2);  // K and V, 16-bit
+  const long kv_heads = std::max<long>(1, (l2_bytes / 2) / kv_bytes);
+  const long pairs = long(p.batch) * p.hq, gqa = std::max(1, p.hq / p.hkv);
+  return int(std::clamp<long>(kv_heads * gqa, 1, pairs));
+}
+
 template <typename T, int D>
 void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   using K = attn_prefill<T, D>;
@@ -270,6 +291,7 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   g.window_right = p.window_right;
   g.scale_log2 = p.softmax_scale * LOG2E;
   g.softcap = p.softcap;
+  g.heads_per_group = heads_per_l2_group(p, D);
   const long tasks = long(g.q_blocks) * p.batch * p.hq;
   lcsf::launch<K>(g, int(std::min<long>(tasks, num_sms)), stream);
 }

@@ -25,6 +25,7 @@ struct attn_varlen_problem {
   const int* block_table;   // [batch, bt_stride] or null (dense)
   long bt_stride;
   int batch, hq, hkv, total_q, total_k, num_blocks, block_size, max_seqlen_q;
+  int max_seqlen_k;  // an upper bound on keys per sequence: sizes the L2-aware task groups only
   bool causal;
   int window_left, window_right;  // -1: unbounded
   float softmax_scale, softcap;   // softcap 0: off
