@@ -4,7 +4,8 @@ A Llama-3-8B-shaped model cut to 4 layers (examples/build_tiny_model.py preset l
 32 q / 8 kv heads of 128, random weights, tokenizer trained locally), CUDA graphs on. Each backend runs in its
 own process (`python scripts/benches/serve.py --worker ...`), all with the same random prompts and
 ignore_eos, so every impl produces the same number of tokens; a short warm-up generate comes first, then the
-timed one. Impls: tk (--attention-backend TK), flash_attn (FLASH_ATTN, FA3 on sm90), triton_attn (TRITON_ATTN).
+timed one. Impls: tk (--attention-backend TK), flash_attn (FLASH_ATTN, FA3 on sm90), triton_attn (TRITON_ATTN);
+TK_SERVE_IMPLS=tk,flash_attn runs a subset.
 
 Cases: offline_512x1024in_256out (prefill-heavy) and offline_64x128in_1024out (decode-heavy). With
 TK_SERVE_TP=2 the engines run tensor parallel 2 and the case names get the suffix _tp2.
@@ -74,8 +75,14 @@ def run(quick: bool = False) -> list:
     model = build(Path(tempfile.gettempdir()) / f"tk_serve_{PRESET}", preset=PRESET)
     env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    only = [i for i in os.environ.get("TK_SERVE_IMPLS", "").split(",") if i]
+    unknown = sorted(set(only) - set(IMPLS))
+    if unknown:
+        raise SystemExit(f"TK_SERVE_IMPLS names unknown impls {unknown}; choose from {sorted(IMPLS)}")
     rows = []
     for impl, backend in IMPLS.items():
+        if only and impl not in only:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "serve.json"
             command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(model),
