@@ -127,10 +127,15 @@ def print_table(rows: Sequence[Row]) -> None:
     print(f"\n{'kernel':<13}{'case':<40}{'impl: metric (ms)':<70}{'tk/best':>8}")
     for (kernel, case), impls in cases.items():
         def metric(r: Row) -> float:
-            return r.tflops if r.tflops is not None else r.tbps if r.tbps is not None else 1.0 / r.median_ms
+            if r.tflops is not None:
+                return r.tflops
+            if r.tbps is not None:
+                return r.tbps
+            return r.extra.get("tok_s", 1.0 / r.median_ms)
+
         parts = []
         for name, r in impls.items():
-            unit = "TF" if r.tflops is not None else "TB/s" if r.tbps is not None else ""
+            unit = "TF" if r.tflops is not None else "TB/s" if r.tbps is not None else " tok/s" if "tok_s" in r.extra else ""
             parts.append(f"{name}: {metric(r):.3g}{unit} ({r.median_ms:.4g})")
         peers = [metric(r) for n, r in impls.items() if n != "tk"]
         ratio = f"{metric(impls['tk']) / max(peers):.3f}" if "tk" in impls and peers else "-"
