@@ -60,7 +60,7 @@ struct attn_prefill {
     int q_phase;
   };
   struct task_t {
-    int b, h, qb, q0, lq, k0, lk, first, iters;
+    int b, h, qb, q0, lq, k0, lk, lo, first, iters;  // lo: the first key any of the task's queries sees
     bool valid;
   };
   // The two consumers take turns issuing their matrix products (barriers TURN + consumer), so one's
@@ -109,6 +109,7 @@ struct attn_prefill {
     if (g.window_left >= 0) begin = max(0, row_lo + offset - g.window_left);
     if (g.causal) end = min(end, row_hi + offset + 1);
     if (g.window_right >= 0) end = min(end, row_hi + offset + g.window_right + 1);
+    t.lo = begin;
     t.first = begin / KV;
     t.iters = (t.valid && end > begin) ? ceil_div(end, KV) - t.first : 0;
     return t;
@@ -122,10 +123,12 @@ struct attn_prefill {
       tma::load_async(in.v, g.v, {.d = kv_head, .row = t.k0 + row}, full);
       return;
     }
-    const int last_piece = (t.lk - 1) / PAGE_PIECE * PAGE_PIECE;  // pieces past the end re-read the last one
+    // Pieces past the end re-read the last one, pieces before the window the window's first: every page read
+    // belongs to the sequence (a sliding-window cache may have recycled the pages behind the window).
+    const int last_piece = (t.lk - 1) / PAGE_PIECE * PAGE_PIECE, first_piece = t.lo / PAGE_PIECE * PAGE_PIECE;
 #pragma unroll
     for (int s = 0; s < KV / PAGE_PIECE; s++) {
-      const int token = min(row + s * PAGE_PIECE, last_piece);
+      const int token = max(min(row + s * PAGE_PIECE, last_piece), first_piece);
       const int page = g.block_table[t.b * g.bt_stride + token / g.block_size];
       const coord at{.b = page, .d = kv_head, .row = token % g.block_size};
       tma::load_async(in.k.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
@@ -172,6 +175,7 @@ struct attn_prefill {
     s.v_prev = &in.v;
   }
 
+
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
@@ -203,8 +207,16 @@ struct attn_prefill {
     copy(s.m, m_new);
   }
 
-  // The last tile's P V, issued while its stage is still held.
-  __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t&, int) {
+  // The last tile's P V, issued while its stage is still held. The tile's rows past the sequence's end hold
+  // whatever the page held (paged) or the next sequence's keys: masked (P = 0), but 0 * NaN is NaN in P V,
+  // so they are zeroed first. Each consumer clears them before its own P V (both write the same zeros).
+  __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int wg) {
+    const int tail = t.lk - (t.first + t.iters - 1) * KV;
+    if (tail < KV) {
+      warpgroup::zero_rows(s.v_prev->ref(), tail);
+      fence_async_shared();
+      warpgroup::sync(1 + wg);
+    }
     mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);

@@ -132,7 +132,15 @@ struct attn_decode_split {
     s.v_prev = &in.v;
   }
 
-  __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t&, int) {
+  // Before the last P V: the tile's rows past the item's end are masked (P = 0), but at the sequence's end
+  // they hold whatever the page held before, and 0 * NaN is NaN in P V, so they are zeroed first.
+  __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int) {
+    const int tail = t.end - (t.base + (t.iters - 1) * KV);
+    if (tail < KV) {
+      warpgroup::zero_rows(s.v_prev->ref(), tail);
+      fence_async_shared();
+      warpgroup::sync(1);
+    }
     mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);

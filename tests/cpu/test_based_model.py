@@ -253,24 +253,52 @@ class _Proj(torch.nn.Module):
         return self.lin(x), None
 
 
-def test_vllm_linear_attention_slots_chunked_prefill_and_decode(monkeypatch):
-    """Two requests through the vLLM layer's _forward: A prefilled in two chunks (the second from A's slot),
-    B in one, then two decode steps of both; equal to the reference over each whole sequence."""
-    _vllm()
-    from tk_backend.vllm import based_model
-
+def _linear_layer(monkeypatch, based_model, hidden: int, heads: int, dv: int):
+    """The vLLM linear-attention layer on the float32 references, with a 6-slot state cache full of NaN (stale
+    slots: never read for new requests)."""
     monkeypatch.setattr(based, "parallel_based", _reference_prefill)
     monkeypatch.setattr(based, "based_step", _reference_step)
     torch.manual_seed(0)
-    hidden, heads, dv = 32, 2, 64
     layer = based_model.BasedLinearAttention.__new__(based_model.BasedLinearAttention)
     torch.nn.Module.__init__(layer)
     layer.num_heads, layer.feature_dim, layer.head_dim, layer.use_norm, layer.prefix = heads, 16, dv, True, "l"
     layer.proj_q, layer.proj_k = _Proj(hidden, heads * 16), _Proj(hidden, heads * 16)
     layer.proj_v = _Proj(hidden, heads * dv)
     object.__setattr__(layer, "out_proj", lambda x: (x, None))
-    cache = torch.full((6, heads, 273, dv + 1), float("nan"))  # stale slots: must never be read for new requests
+    cache = torch.full((6, heads, 273, dv + 1), float("nan"))
     layer.kv_cache = (cache,)
+    return layer, cache
+
+
+def test_vllm_linear_attention_padded_decode_rows_leave_the_null_block_alone(monkeypatch):
+    """CUDA-graph padding rows (slot 0, vLLM's null block, or PAD_SLOT_ID -1) must not write a state into the
+    null block: in a hybrid model that memory is also the null page other layers' caches point at."""
+    _vllm()
+    from tk_backend.vllm import based_model
+
+    hidden, heads, dv = 32, 2, 64
+    layer, cache = _linear_layer(monkeypatch, based_model, hidden, heads, dv)
+    cache[0] = torch.randn_like(cache[0])  # whatever the null page holds (finite here, so a state would change it)
+    cache[3] = 0.0  # a real request's slot after its prefill: zero moments
+    null_before = cache[0].clone()
+    md = SimpleNamespace(num_decodes=4, num_decode_tokens=4, num_prefills=0, num_prefill_tokens=0,
+                         query_start_loc=torch.arange(5), seq_lens=torch.tensor([3, 0, 0, 0]),
+                         state_indices_tensor=torch.tensor([3, 0, -1, 0], dtype=torch.int32))
+    monkeypatch.setattr(based_model, "layer_metadata", lambda prefix: md)
+    out = torch.empty(4, heads * dv)
+    layer._forward(torch.randn(4, hidden), out, None)
+    assert torch.equal(cache[0], null_before), "a padded decode row wrote into the null block"
+    assert torch.isfinite(cache[3]).all() and cache[3].abs().sum() > 0, "the real request's state was not updated"
+
+
+def test_vllm_linear_attention_slots_chunked_prefill_and_decode(monkeypatch):
+    """Two requests through the vLLM layer's _forward: A prefilled in two chunks (the second from A's slot),
+    B in one, then two decode steps of both; equal to the reference over each whole sequence."""
+    _vllm()
+    from tk_backend.vllm import based_model
+
+    hidden, heads, dv = 32, 2, 64
+    layer, cache = _linear_layer(monkeypatch, based_model, hidden, heads, dv)
     slot = {"A": 4, "B": 2}
     x = {"A": torch.randn(9, hidden), "B": torch.randn(5, hidden)}
 

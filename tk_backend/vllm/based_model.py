@@ -200,11 +200,15 @@ class BasedLinearAttention(nn.Module, MambaBase):
             cache = self.kv_cache[0]  # [num_slots, H, 273, Dv + 1] float32
             nd = md.num_decode_tokens
             if md.num_decodes > 0:
-                # Padded CUDA-graph rows point at slot 0 (vLLM's null block) or PAD_SLOT_ID: send both there.
-                slots = md.state_indices_tensor[:md.num_decodes].clamp(min=0).long()
-                state = unpack_moments(cache[slots])
+                # Padded CUDA-graph rows point at slot 0 (vLLM's null block) or PAD_SLOT_ID: they read the null
+                # block and write back what they read. The null block is shared: in a hybrid model the same
+                # memory is the null page of other layers' caches, so it is never written with a state.
+                index = md.state_indices_tensor[:md.num_decodes]
+                slots = index.clamp(min=0).long()
+                before = cache[slots]
+                state = unpack_moments(before)
                 o[:nd], state = based.based_step(q[:nd], k[:nd], v[:nd], state, use_norm=self.use_norm, inplace=True)
-                cache[slots] = pack_moments(state)
+                cache[slots] = torch.where((index > 0).view(-1, 1, 1, 1), pack_moments(state), before)
             for start, end, slot, has_context in prefill_layout(md) if md.num_prefills > 0 else ():
                 initial = unpack_moments(cache[slot:slot + 1]) if has_context else None
                 o_p, final = based.parallel_based(q[None, start:end], k[None, start:end], v[None, start:end],

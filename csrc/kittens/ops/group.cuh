@@ -188,6 +188,19 @@ struct group {
     }
   }
 
+  // Rows [first_row, rows) of a shared tile set to 0 (16-byte stores, swizzle applied). For the rows of a
+  // tile that TMA filled from a whole page past a sequence's end: masked scores give P = 0 there, but
+  // 0 * (NaN or Inf left in a recycled page) is NaN in P V, so those V rows must hold finite values.
+  // The caller fences (fence_async_shared) and synchronises before wgmma reads the tile.
+  template <shared_tile SR>
+  __device__ static __forceinline__ void zero_rows(const SR& dst, int first_row) {
+    using T = typename SR::dtype;
+    constexpr int per_vec = 16 / sizeof(T), vecs_per_row = SR::cols / per_vec;
+    const int first = first_row < 0 ? 0 : first_row;
+    for (int v = first * vecs_per_row + thread(); v < SR::rows * vecs_per_row; v += threads)
+      detail::st_shared_16B(dst.addr(v / vecs_per_row, (v % vecs_per_row) * per_vec), uint4{0, 0, 0, 0});
+  }
+
   // ---- warpgroup matrix multiply (wgmma), warpgroup scope only --------------------------------------
   // d: per-warp rt_fl<16, N> (the warpgroup's 64 x N); a: rt<16, K> per warp, a 64 x K shared tile, or
   // (mm_AtB / mma_AtB) a K x 64 shared tile used transposed; b: K x N (mm_AB / mma_AB / *_AtB) or N x K
