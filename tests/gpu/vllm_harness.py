@@ -3,19 +3,13 @@ worker process), and comparing two such runs (in the test process)."""
 from __future__ import annotations
 
 
-def _generate(llm, prompts, params, one_at_a_time: bool):
-    if one_at_a_time:  # every prompt alone: where chunked prefill cuts differs from the batched run
-        return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    return llm.generate(prompts, params, use_tqdm=False)
-
-
-def prompt_logprobs(llm, prompts, one_at_a_time: bool = False) -> tuple[list[list[float]], list[list[int]]]:
+def prompt_logprobs(llm, prompts) -> tuple[list[list[float]], list[list[int]]]:
     """Teacher-forced: per prompt, the logprob of each prompt token and the top-1 token at each position."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
     token_logprobs, top1 = [], []
-    for prompt, output in zip(prompts, _generate(llm, prompts, params, one_at_a_time)):
+    for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         ids = prompt["prompt_token_ids"]
         lp, best = [], []
         for pos, entry in enumerate(output.prompt_logprobs):
@@ -28,12 +22,12 @@ def prompt_logprobs(llm, prompts, one_at_a_time: bool = False) -> tuple[list[lis
     return token_logprobs, top1
 
 
-def greedy_tokens(llm, prompts, max_tokens: int, one_at_a_time: bool = False) -> list[list[int]]:
+def greedy_tokens(llm, prompts, max_tokens: int) -> list[list[int]]:
     """Free-running: max_tokens greedy tokens per prompt (EOS ignored)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in _generate(llm, prompts, params, one_at_a_time)]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def teacher_forced(a: dict, b: dict) -> tuple[float, float]:
