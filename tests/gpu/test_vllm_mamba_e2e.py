@@ -24,7 +24,7 @@ The engine runs in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), 
 tk_backend.vllm.mamba.STATS and the test checks which path actually ran: TK's scan and update with no
 fallback in the TK worker, none of TK's in the Triton worker. One preset turns TK on with TK_MAMBA=1, the
 other with `attention_backend="TK"` (the other documented switch). Needs vLLM importable (GPU host: source
-/tmp/vllm_site/env.sh). About 3 minutes per preset.
+/tmp/vllm_site/env.sh). About 4-5 minutes per preset (three engines).
 """
 from __future__ import annotations
 
