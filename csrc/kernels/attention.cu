@@ -175,7 +175,6 @@ struct attn_prefill {
     s.v_prev = &in.v;
   }
 
-
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
