@@ -211,11 +211,7 @@ struct attn_prefill {
   // so they are zeroed first. Each consumer clears them before its own P V (both write the same zeros).
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int wg) {
     const int tail = t.lk - (t.first + t.iters - 1) * KV;
-    if (tail < KV) {
-      warpgroup::zero_rows(s.v_prev->ref(), tail);
-      fence_async_shared();
-      warpgroup::sync(1 + wg);
-    }
+    if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1 + wg);
     mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);

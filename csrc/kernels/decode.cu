@@ -136,11 +136,7 @@ struct attn_decode_split {
   // they hold whatever the page held before, and 0 * NaN is NaN in P V, so they are zeroed first.
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int) {
     const int tail = t.end - (t.base + (t.iters - 1) * KV);
-    if (tail < KV) {
-      warpgroup::zero_rows(s.v_prev->ref(), tail);
-      fence_async_shared();
-      warpgroup::sync(1);
-    }
+    if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1);
     mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);

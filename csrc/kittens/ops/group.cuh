@@ -6,6 +6,7 @@
 #include "../tiles/rt.cuh"
 #include "../tiles/st.cuh"
 #include "shared_access.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace kittens {
@@ -191,14 +192,16 @@ struct group {
   // Rows [first_row, rows) of a shared tile set to 0 (16-byte stores, swizzle applied). For the rows of a
   // tile that TMA filled from a whole page past a sequence's end: masked scores give P = 0 there, but
   // 0 * (NaN or Inf left in a recycled page) is NaN in P V, so those V rows must hold finite values.
-  // The caller fences (fence_async_shared) and synchronises before wgmma reads the tile.
+  // Ends with the proxy fence and the group barrier `barrier`, so wgmma may read the tile next.
   template <shared_tile SR>
-  __device__ static __forceinline__ void zero_rows(const SR& dst, int first_row) {
+  __device__ static __forceinline__ void zero_rows(const SR& dst, int first_row, int barrier) {
     using T = typename SR::dtype;
     constexpr int per_vec = 16 / sizeof(T), vecs_per_row = SR::cols / per_vec;
     const int first = first_row < 0 ? 0 : first_row;
     for (int v = first * vecs_per_row + thread(); v < SR::rows * vecs_per_row; v += threads)
       detail::st_shared_16B(dst.addr(v / vecs_per_row, (v % vecs_per_row) * per_vec), uint4{0, 0, 0, 0});
+    fence_async_shared();  // generic-proxy writes, then wgmma (async proxy) reads
+    sync(barrier);
   }
 
   // ---- warpgroup matrix multiply (wgmma), warpgroup scope only --------------------------------------
