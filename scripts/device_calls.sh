@@ -3,11 +3,14 @@
 #
 #   bash scripts/device_calls.sh fa3 STEP...       carry .whl .whl_ssm .tk_commit: FA3 / FLA / mamba_ssm peers,
 #                                                  then scripts/gpu_check.sh STEP... (kernel tests, benches)
-#   bash scripts/device_calls.sh vllm-a            carry .offline-vllm/part1 .whl_ssm .tk_commit: stage part 1,
-#                                                  editable build (registers the vLLM plugin's entry point)
+#   bash scripts/device_calls.sh vllm-a [STEP...]  carry .offline-vllm/part1 .whl_ssm .tk_commit: stage part 1,
+#                                                  editable build (registers the vLLM plugin's entry point),
+#                                                  then gpu_check STEP... (kernel tests need no vLLM)
 #   bash scripts/device_calls.sh vllm-b STEP...    carry .offline-vllm/part2 .tk_commit, RIGHT after vllm-a
 #                                                  (the host keeps /tmp ~30 s): stage part 2, then
 #                                                  scripts/gpu_check.sh STEP... with vLLM importable
+#   bash scripts/device_calls.sh warm STEP...      any later call while the host is still warm (built, vLLM staged):
+#                                                  carry .whl_ssm (and .whl for FA3) .tk_commit; no rebuild
 #
 # The FA3 wheel (60 MiB) and a vLLM part (47 MiB) do not fit in one call (64 MiB), hence the split.
 set -uo pipefail
@@ -26,12 +29,18 @@ case "$mode" in
   vllm-a)
     bash .offline-vllm/part1/stage.sh 2>&1 | tail -1
     MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "${OUT:-/tmp}/build.log" 2>&1
-    echo "editable build rc=$?" ;;
+    echo "editable build rc=$?"
+    [ $# -gt 0 ] && { peers; exec bash scripts/gpu_check.sh "$@"; } ;;
   vllm-b)
     bash .offline-vllm/part2/stage.sh 2>&1 | tail -1
     # shellcheck disable=SC1091
     source /tmp/vllm_site/env.sh
     peers
     exec bash scripts/gpu_check.sh "$@" ;;
-  *) echo "usage: $0 fa3|vllm-a|vllm-b [gpu_check steps...]"; exit 2 ;;
+  warm)
+    # shellcheck disable=SC1091
+    [ -f /tmp/vllm_site/env.sh ] && source /tmp/vllm_site/env.sh
+    peers
+    exec bash scripts/gpu_check.sh "$@" ;;
+  *) echo "usage: $0 fa3|vllm-a|vllm-b|warm [gpu_check steps...]"; exit 2 ;;
 esac

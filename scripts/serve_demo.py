@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tk-tiny"
 
 
-def missing_requirements() -> list[str]:
-    """Why this machine cannot run the demo (empty: it can)."""
+def missing_requirements(gpus: int = 1) -> list[str]:
+    """Why this machine cannot run the demo on `gpus` GPUs (empty: it can)."""
     problems = []
     try:
         import torch
@@ -45,6 +45,8 @@ def missing_requirements() -> list[str]:
         if cap != (9, 0):
             problems.append(f"GPU 0 is {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}); the TK kernels are "
                             "written for sm_90 (Hopper: H100/H200) only")
+        if torch.cuda.device_count() < gpus:
+            problems.append(f"--tensor-parallel-size {gpus} needs {gpus} GPUs; {torch.cuda.device_count()} visible")
     sys.path.insert(0, str(REPO))
     try:
         import tk_backend
@@ -144,10 +146,12 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--burst", type=int, default=32)
     parser.add_argument("--burst-tokens", type=int, default=128)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vLLM tensor parallelism: each of this many GPUs runs TK on its slice of the heads")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
-    problems = missing_requirements()
+    problems = missing_requirements(args.tensor_parallel_size)
     if problems:
         print("serve_demo: this machine cannot run the TK serving demo:", file=sys.stderr)
         for problem in problems:
@@ -168,7 +172,8 @@ def main() -> int:
         command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
                    "--attention-backend", "TK", "--host", "127.0.0.1", "--port", str(port),
                    "--served-model-name", SERVED_NAME, "--max-model-len", "4096",
-                   "--gpu-memory-utilization", "0.5", "--enable-prefix-caching"]
+                   "--gpu-memory-utilization", "0.5", "--enable-prefix-caching",
+                   "--tensor-parallel-size", str(args.tensor_parallel_size)]
         print("serve_demo: " + " ".join(command))
         with open(log_path, "w") as log:
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
@@ -194,7 +199,8 @@ def main() -> int:
     print(f"\nthroughput: {burst['requests']} concurrent requests, {burst['tokens']} tokens in "
           f"{burst['seconds']:.2f} s = {burst['tok_s']:.0f} output tok/s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"preset": args.preset, **results}, indent=2))
+        Path(args.json).write_text(json.dumps({"preset": args.preset, "tensor_parallel_size": args.tensor_parallel_size,
+                                               **results}, indent=2))
     return 0
 
 

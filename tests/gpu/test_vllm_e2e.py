@@ -109,6 +109,10 @@ def workdir(tmp_path_factory) -> Path:
         import vllm  # noqa: F401
     except ImportError:
         pytest.skip("vLLM is not importable (GPU host: source /tmp/vllm_site/env.sh)")
+    keep = os.environ.get("TK_E2E_WORKDIR")  # engines' results kept there, so a later run resumes
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        return Path(keep)
     return tmp_path_factory.mktemp("vllm_e2e")
 
 
@@ -126,25 +130,33 @@ def test_tk_agrees_with_flash_attn_at_least_as_well_as_triton(workdir, preset):
     assert_agrees_like_yardstick((tk, fa), (triton, fa))
 
 
-def test_tensor_parallel_2_agrees_with_tp1_and_flash_attn(workdir):
+def _needs_gpus(n: int) -> None:
     import torch
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
-    for preset in ("tiny-hd128", "tiny-hd128-mqa"):  # KV heads split evenly; fewer KV heads than ranks
-        model = _model(workdir, preset)
-        fa, triton, tk = (_run(model, b, workdir / preset, tensor_parallel_size=2)
-                          for b in ("FLASH_ATTN", "TRITON_ATTN", "TK"))
-        assert_agrees_like_yardstick((tk, fa), (triton, fa))
-        assert_agrees_like_yardstick((tk, _run(model, "TK", workdir / preset)), (triton, fa))
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs (nvidia-h200-x{n})")
 
 
-def test_openai_server_answers_on_tk(workdir):
-    out = workdir / "serve.json"
-    proc = subprocess.run([sys.executable, "scripts/serve_demo.py", "--preset", "tiny-hd64", "--json", str(out)],
+# KV heads split evenly over the ranks (8 -> 4 + 4); fewer KV heads than ranks (1, replicated by vLLM).
+@pytest.mark.parametrize("preset", ["tiny-hd128", "tiny-hd128-mqa"])
+def test_tensor_parallel_2_agrees_with_tp1_and_flash_attn(workdir, preset):
+    _needs_gpus(2)
+    model = _model(workdir, preset)
+    fa, triton, tk = (_run(model, b, workdir / preset, tensor_parallel_size=2) for b in ("FLASH_ATTN", "TRITON_ATTN", "TK"))
+    assert_agrees_like_yardstick((tk, fa), (triton, fa))
+    assert_agrees_like_yardstick((tk, _run(model, "TK", workdir / preset)), (triton, fa))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_openai_server_answers_on_tk(workdir, tp):
+    _needs_gpus(tp)
+    out = workdir / f"serve_tp{tp}.json"
+    proc = subprocess.run([sys.executable, "scripts/serve_demo.py", "--preset", "tiny-hd64", "--json", str(out),
+                           "--tensor-parallel-size", str(tp)],
                           cwd=REPO, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads(out.read_text())
+    assert results["tensor_parallel_size"] == tp
     assert results["completion"]["tokens"] > 0 and results["chat"]["tokens"] > 0
     assert results["burst"]["tok_s"] > 0
     print(proc.stdout)
