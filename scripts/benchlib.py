@@ -96,12 +96,19 @@ def commit_of_tree() -> str:
         return "unknown"
 
 
-def merge_results(path: pathlib.Path, families: Sequence[str], rows: Sequence[Row]) -> dict:
-    """Replace only the rows of the families that ran; keep the rest."""
-    old = json.loads(path.read_text()) if path.exists() else {"results": []}
-    kept = [r for r in old.get("results", []) if r.get("kernel") not in families]
-    for r in kept:  # rows of families that did not run keep the commit they measured
+def merged_rows(old: dict, rows: Sequence[Row], commit: str) -> list[dict]:
+    """Replace the rows of the cases that ran (every impl of such a case, so that a case's ratios always come
+    from one run); keep every other row, each with the commit it measured."""
+    ran = {(r.kernel, r.case) for r in rows}
+    kept = [dict(r) for r in old.get("results", []) if (r.get("kernel"), r.get("case")) not in ran]
+    for r in kept:
         r.setdefault("commit", old.get("commit", "unknown"))
+    return kept + [{**r.as_json(), "commit": commit} for r in rows]
+
+
+def merge_results(path: pathlib.Path, families: Sequence[str], rows: Sequence[Row]) -> dict:
+    """Write path's results with this run's rows merged in (merged_rows); `families` is kept for the callers."""
+    old = json.loads(path.read_text()) if path.exists() else {"results": []}
     commit = commit_of_tree()
     props = torch.cuda.get_device_properties(0)
     doc = {
@@ -112,7 +119,7 @@ def merge_results(path: pathlib.Path, families: Sequence[str], rows: Sequence[Ro
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "sms": props.multi_processor_count,
-        "results": kept + [{**r.as_json(), "commit": commit} for r in rows],
+        "results": merged_rows(old, rows, commit),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,0 +1,30 @@
+"""bench/results merging: a run replaces the cases it measured (all their impls) and keeps every other row."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from benchlib import Row, merged_rows  # noqa: E402
+
+
+def test_a_run_replaces_its_cases_and_keeps_the_others():
+    old = {"commit": "old", "results": [
+        {"kernel": "serve", "case": "offline_a", "impl": "tk", "median_ms": 1.0, "commit": "c1"},
+        {"kernel": "serve", "case": "offline_a", "impl": "flash_attn", "median_ms": 2.0, "commit": "c1"},
+        {"kernel": "serve", "case": "offline_a_tp2", "impl": "tk", "median_ms": 3.0, "commit": "c2"},
+        {"kernel": "serve", "case": "offline_a_tp2", "impl": "triton", "median_ms": 3.5, "commit": "c2"},
+        {"kernel": "gemm", "case": "4096", "impl": "tk", "median_ms": 0.2},
+    ]}
+    rows = [Row("serve", "offline_a_tp2", "tk", 4.0), Row("serve", "offline_a_tp2", "flash_attn", 5.0)]
+    merged = merged_rows(old, rows, "new")
+    by_key = {(r["kernel"], r["case"], r["impl"]): r for r in merged}
+    # the tp1 case (same family, not re-run) is kept with its own commit
+    assert by_key[("serve", "offline_a", "tk")]["commit"] == "c1"
+    assert by_key[("serve", "offline_a", "flash_attn")]["median_ms"] == 2.0
+    # the re-run case holds exactly this run's impls: the old triton row of that case is gone
+    assert ("serve", "offline_a_tp2", "triton") not in by_key
+    assert by_key[("serve", "offline_a_tp2", "tk")] == {"kernel": "serve", "case": "offline_a_tp2", "impl": "tk",
+                                                       "median_ms": 4.0, "commit": "new"}
+    # a row written before per-row commits takes the file's commit
+    assert by_key[("gemm", "4096", "tk")]["commit"] == "old"
+    assert old["results"][4] == {"kernel": "gemm", "case": "4096", "impl": "tk", "median_ms": 0.2}  # input untouched
+    assert len(merged) == 5
