@@ -3,8 +3,9 @@
 A Llama-3-8B-shaped model cut to 4 layers (examples/build_tiny_model.py preset llama3-8b-4l: hidden 4096,
 32 q / 8 kv heads of 128, random weights, tokenizer trained locally), CUDA graphs on. Each backend runs in its
 own process (`python scripts/benches/serve.py --worker ...`), all with the same random prompts and
-ignore_eos, so every impl produces the same number of tokens; a short warm-up generate comes first, then the
-timed one. Impls: tk (--attention-backend TK), flash_attn (FLASH_ATTN, FA3 on sm90), triton_attn (TRITON_ATTN);
+ignore_eos, so every impl produces the same number of tokens; a short warm-up generate comes first, then
+REPEATS timed runs of each case (the row is their median; every run's seconds are kept in runs_s, so the
+spread between runs sits beside the ratio). Impls: tk (--attention-backend TK), flash_attn (FLASH_ATTN, FA3 on sm90), triton_attn (TRITON_ATTN);
 TK_SERVE_IMPLS=tk,flash_attn runs a subset.
 
 Cases: offline_512x1024in_256out (prefill-heavy) and offline_64x128in_1024out (decode-heavy). With
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,7 @@ CASES = {"offline_512x1024in_256out": (512, 1024, 256), "offline_64x128in_1024ou
 IMPLS = {"tk": "TK", "flash_attn": "FLASH_ATTN", "triton_attn": "TRITON_ATTN"}
 PRESET = "llama3-8b-4l"
 WORKER_TIMEOUT_S = 900
+REPEATS = 3  # timed runs per case; the row is their median, all runs are kept
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -35,7 +38,7 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def worker(model: str, backend: str, tp: int, out: str, cases: list[str]) -> None:
+def worker(model: str, backend: str, tp: int, out: str, cases: list[str], repeats: int = REPEATS) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -50,11 +53,14 @@ def worker(model: str, backend: str, tp: int, out: str, cases: list[str]) -> Non
         count, length, new = CASES[case]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(count, length, vocab, seed=7)]
         params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        results[case] = {"seconds": seconds, "tokens": tokens}
+        runs, tokens = [], set()
+        for _ in range(repeats):  # the first run also meets this case's batch shapes for the first time
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(time.perf_counter() - start)
+            tokens.add(sum(len(o.outputs[0].token_ids) for o in outputs))
+        assert len(tokens) == 1, f"{case}: runs produced different token counts {sorted(tokens)}"
+        results[case] = {"seconds": statistics.median(runs), "runs": runs, "tokens": tokens.pop()}
     Path(out).write_text(json.dumps(results))
 
 
@@ -94,7 +100,8 @@ def run(quick: bool = False) -> list:
                 continue
             for case, r in json.loads(out.read_text()).items():
                 rows.append(Row("serve", case + suffix, impl, r["seconds"] * 1e3,
-                                extra={"tok_s": round(r["tokens"] / r["seconds"], 1), "tokens": r["tokens"]}))
+                                extra={"tok_s": round(r["tokens"] / r["seconds"], 1), "tokens": r["tokens"],
+                                       "runs_s": [round(x, 3) for x in r["runs"]]}))
     return rows
 
 

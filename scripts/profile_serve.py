@@ -1,0 +1,133 @@
+"""Where a serve case's time goes, per attention backend: the torch profiler over one generate() of the case.
+
+    python3 scripts/profile_serve.py [--tp 2] [--case offline_64x128in_1024out] [--impls tk,flash_attn] [--out DIR]
+
+Each backend runs in its own process (the serve bench's model, settings and prompts; one untimed run of the
+case first), with vLLM's torch profiler on around a second run. From rank 0's trace it prints, per backend:
+the generate() wall time, the GPU's busy time (union of kernel intervals) and its idle time, the kernel time of
+attention kernels (ours, FA3's, Triton's) against everything else, and the top kernels. A gap in idle time
+points at the host (scheduling, metadata building, launch); a gap in attention time at the kernels.
+vLLM's own per-op table (profiler_out_0.txt) and the traces stay under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from benches import serve  # noqa: E402
+
+# Kernel-name fragments of attention kernels: ours (attention.cu, decode.cu), FA3, Triton's unified attention,
+# and the KV-cache write, which every backend here shares.
+ATTENTION = ("tk::", "attn", "attention", "flash", "decode_", "merge_", "build_schedule", "reshape_and_cache")
+
+
+def worker(model: str, backend: str, tp: int, case: str, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    llm = LLM(model=model, attention_backend=backend, tensor_parallel_size=tp, seed=0, max_model_len=2048,
+              max_num_seqs=256, gpu_memory_utilization=0.6, enable_prefix_caching=False, enforce_eager=False,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(out_dir),
+                               "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
+                               "ignore_frontend": True})
+    count, length, new = serve.CASES[case]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in serve._prompts(count, length, vocab, seed=7)]
+    params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts, params, use_tqdm=False)  # warm: this case's shapes, graphs, allocator
+    llm.start_profile()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    llm.stop_profile()
+    (out_dir / "wall.json").write_text(json.dumps({"seconds": seconds}))
+
+
+def _trace_events(out_dir: Path) -> list[dict]:
+    """Kernel events of rank 0's trace (vLLM names each rank's trace ..._rankN.<time>.pt.trace.json)."""
+    traces = sorted((p for p in out_dir.rglob("*.json*") if "pt.trace" in p.name), key=lambda p: p.stat().st_mtime)
+    rank0 = [p for p in traces if "rank0." in p.name] or traces
+    if not rank0:
+        raise FileNotFoundError(f"no torch profiler trace under {out_dir}")
+    opener = gzip.open if rank0[-1].suffix == ".gz" else open
+    with opener(rank0[-1], "rt") as f:
+        doc = json.load(f)
+    return [e for e in doc.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+
+
+def summarize(out_dir: Path) -> dict:
+    kernels = _trace_events(out_dir)
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:  # union of the kernel intervals
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    by_name: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        by_name[e["name"]] += e["dur"]
+    attention = sum(t for n, t in by_name.items() if any(f in n.lower() for f in ATTENTION))
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    wall = json.loads((out_dir / "wall.json").read_text())["seconds"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {"wall_ms": wall * 1e3, "kernel_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3,
+            "gpu_idle_ms": (span - busy) / 1e3, "attention_ms": attention / 1e3,
+            "other_kernels_ms": (sum(by_name.values()) - attention) / 1e3, "kernels": len(kernels),
+            "top": [(n[:90], round(t / 1e3, 2)) for n, t in top]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--model")
+    parser.add_argument("--backend")
+    parser.add_argument("--tp", type=int, default=int(os.environ.get("TK_SERVE_TP", "1")))
+    parser.add_argument("--case", default="offline_64x128in_1024out", choices=sorted(serve.CASES))
+    parser.add_argument("--impls", default="tk,flash_attn")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "profile_serve")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.model, args.backend, args.tp, args.case, args.out)
+        return 0
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from build_tiny_model import build
+
+    model = build(Path("/tmp") / f"tk_serve_{serve.PRESET}", preset=serve.PRESET)
+    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    report = {}
+    for impl in args.impls.split(","):
+        out_dir = args.out / f"{impl}_tp{args.tp}_{args.case}"
+        command = [sys.executable, __file__, "--worker", "--model", str(model), "--backend", serve.IMPLS[impl],
+                   "--tp", str(args.tp), "--case", args.case, "--out", str(out_dir)]
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=serve.WORKER_TIMEOUT_S)
+        if proc.returncode != 0:
+            print(f"{impl}: worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        report[impl] = summary = summarize(out_dir)
+        print(f"\n== {impl} (tp{args.tp}, {args.case}): wall {summary['wall_ms']:.0f} ms (profiled), kernel span "
+              f"{summary['kernel_span_ms']:.0f} ms, GPU busy {summary['gpu_busy_ms']:.0f} / idle "
+              f"{summary['gpu_idle_ms']:.0f} ms; attention {summary['attention_ms']:.1f} ms, other kernels "
+              f"{summary['other_kernels_ms']:.1f} ms, {summary['kernels']} kernels")
+        for name, ms in summary["top"]:
+            print(f"   {ms:9.2f} ms  {name}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"summary_tp{args.tp}_{args.case}.json").write_text(json.dumps(report, indent=1))
+    return 0 if report else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
