@@ -20,8 +20,8 @@ for step in "${steps[@]}"; do
       MAX_JOBS=16 TK_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1
       rc=$?; [ $rc -ne 0 ] && { grep -E "error" "$OUT/build.log" | head -30; summary+=("build FAILED"); break; } ;;
     prims) timeout -k 10 300 python3 -m pytest -q -rs tests/gpu/test_primitives.py 2>&1 | tee "$OUT/prims.log" | tail -15; rc=${PIPESTATUS[0]} ;;
-    tests) timeout -k 10 900 python3 -m pytest -q -rs tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
-    test:*) timeout -k 10 900 python3 -m pytest -q -rs "${step#test:}" 2>&1 | tee -a "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
+    tests) timeout -k 10 900 python3 -m pytest -q -rsP tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
+    test:*) timeout -k 10 900 python3 -m pytest -q -rsP "${step#test:}" 2>&1 | tee -a "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
     sanitize)
       timeout -k 10 600 compute-sanitizer --tool memcheck --target-processes all python3 -m pytest -q -x tests/gpu/test_gemm.py -k "not compile" \
         >"$OUT/sanitize.log" 2>&1; rc=$?; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3 ;;

@@ -129,7 +129,7 @@ def model_dir(tmp_path_factory) -> Path:
     sys.path.insert(0, str(REPO / "examples"))
     from build_tiny_based import build
 
-    return build(tmp_path_factory.mktemp("vllm_based") / "tiny-based", preset="tiny-based")
+    return build(harness.workdir(tmp_path_factory, "vllm_based") / "tiny-based", preset="tiny-based")
 
 
 def test_vllm_based_agrees_with_transformers(model_dir):

@@ -109,11 +109,7 @@ def workdir(tmp_path_factory) -> Path:
         import vllm  # noqa: F401
     except ImportError:
         pytest.skip("vLLM is not importable (GPU host: source /tmp/vllm_site/env.sh)")
-    keep = os.environ.get("TK_E2E_WORKDIR")  # engines' results kept there, so a later run resumes
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        return Path(keep)
-    return tmp_path_factory.mktemp("vllm_e2e")
+    return harness.workdir(tmp_path_factory, "vllm_e2e")
 
 
 def _model(workdir: Path, preset: str) -> Path:

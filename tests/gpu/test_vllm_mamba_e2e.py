@@ -127,7 +127,7 @@ def workdir(tmp_path_factory) -> Path:
         import vllm  # noqa: F401
     except ImportError:
         pytest.skip("vLLM is not importable (GPU host: source /tmp/vllm_site/env.sh)")
-    return tmp_path_factory.mktemp("vllm_mamba_e2e")
+    return harness.workdir(tmp_path_factory, "vllm_mamba_e2e")
 
 
 @pytest.mark.parametrize("preset, enable", [("mamba2-n128-g8", "env"), ("mamba2-n64-g1", "backend")])

@@ -2,6 +2,20 @@
 worker process), and comparing two such runs (in the test process)."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+
+def workdir(tmp_path_factory, name: str) -> Path:
+    """Where a test's models and engines' results go: under $TK_E2E_WORKDIR if set (kept, so a later run, e.g.
+    the next device call after a time limit, resumes with the engines that finished), else a fresh temp dir."""
+    keep = os.environ.get("TK_E2E_WORKDIR")
+    if keep:
+        path = Path(keep) / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp(name)
+
 
 def prompt_logprobs(llm, prompts) -> tuple[list[list[float]], list[list[int]]]:
     """Teacher-forced: per prompt, the logprob of each prompt token and the top-1 token at each position."""
