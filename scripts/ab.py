@@ -1,0 +1,136 @@
+"""A/B of kernel variants in one GPU call: the tree as it is (base) against copies with patches applied.
+
+    python3 scripts/ab.py --family attn_decode [--family ...] [--test tests/gpu/test_decode.py] ab/decode-pdl.patch ...
+
+Make a patch here with e.g. `git diff main wip/decode-pdl > ab/decode-pdl.patch` (ab/ is not ignored, so it
+travels with the device call). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
+to the base (the CPU cores split between the builds); then each variant's --test files run, and each family's
+bench runs once per tree, in turn (base, variants, then base again, so that drift shows). Prints, per case, every
+variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each; the JSON lands in
+$OUT/ab/. The bench table of bench/results is not touched.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+IGNORE = shutil.ignore_patterns("build", "*.so", "__pycache__", ".offline-vllm", ".whl", ".git", "out", "*.egg-info")
+
+
+def prepare(name: str, patch: Path, root: Path) -> Path:
+    tree = root / name
+    if tree.exists():
+        shutil.rmtree(tree)
+    shutil.copytree(REPO, tree, ignore=IGNORE)
+    subprocess.run(["patch", "-p1", "-s", "-i", str(patch.resolve())], cwd=tree, check=True)
+    return tree
+
+
+def build(tree: Path, jobs: int, log: Path) -> bool:
+    if tree == REPO and any(REPO.glob("tk_backend/_C*.so")):
+        return True  # the base is already built (e.g. by this call's editable install)
+    env = {**os.environ, "MAX_JOBS": str(jobs)}
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
+                              stdout=f, stderr=subprocess.STDOUT)
+    return proc.returncode == 0
+
+
+def run_in(tree: Path, args: list[str], log: Path, timeout: int = 900) -> int:
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with open(log, "a") as f:
+        return subprocess.run([sys.executable, *args], cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout).returncode
+
+
+def rows(path: Path) -> dict[tuple[str, str], dict[str, float]]:
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for r in json.loads(path.read_text())["results"]:
+        out.setdefault((r["kernel"], r["case"]), {})[r["impl"]] = r["median_ms"]
+    return out
+
+
+def compare(base_runs: list[dict], variants: dict[str, dict]) -> list[str]:
+    lines = [f"{'case':<46}{'base tk ms':>11}{'drift':>7}  " + "  ".join(f"{n + ' / base':>16}" for n in variants)
+             + f"{'tk/peer base':>14}  " + "  ".join(f"{'tk/peer ' + n:>16}" for n in variants)]
+    for key in base_runs[0]:
+        tks = [run[key]["tk"] for run in base_runs if key in run and "tk" in run[key]]
+        if not tks:
+            continue
+        base_tk = statistics.median(tks)
+        drift = max(tks) / min(tks)
+
+        def vs_peer(impls: dict[str, float]) -> str:
+            peers = [ms for impl, ms in impls.items() if impl != "tk"]
+            return f"{min(peers) / impls['tk']:.3f}" if peers and "tk" in impls else "-"
+
+        ratio = [f"{variants[n][key]['tk'] / base_tk:.3f}" if key in variants[n] and "tk" in variants[n][key] else "-"
+                 for n in variants]
+        lines.append(f"{key[1]:<46}{base_tk:>11.4f}{drift:>7.3f}  " + "  ".join(f"{r:>16}" for r in ratio)
+                     + f"{vs_peer(base_runs[0][key]):>14}  "
+                     + "  ".join(f"{vs_peer(variants[n].get(key, {})):>16}" for n in variants))
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("patches", nargs="+", type=Path)
+    parser.add_argument("--family", action="append", required=True)
+    parser.add_argument("--test", action="append", default=[], help="pytest files each variant must pass first")
+    parser.add_argument("--root", type=Path, default=Path("/tmp/ab"))
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT", "/tmp")) / "ab"
+    out.mkdir(parents=True, exist_ok=True)
+    names = [p.name.removesuffix(".patch") for p in args.patches]
+    trees = {n: prepare(n, p, args.root) for n, p in zip(names, args.patches)}
+    jobs = max(1, (os.cpu_count() or 16) // (len(trees) + 1))
+    with ThreadPoolExecutor(len(trees) + 1) as pool:
+        built = dict(zip(["base", *trees], pool.map(lambda t: build(t, jobs, out / f"build_{t.name}.log"),
+                                                    [REPO, *trees.values()])))
+    print("built:", built, flush=True)
+    trees = {n: t for n, t in trees.items() if built[n]}
+    if not built["base"]:
+        print("the base does not build: see", out / "build_base.log")
+        return 1
+    for n, tree in [("base", REPO), *trees.items()]:  # each tree imports its own build
+        found = subprocess.run([sys.executable, "-c", "import tk_backend; print(tk_backend.__file__)"], cwd=tree,
+                               env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+        print(f"{n}: tk_backend from {found.stdout.strip() or found.stderr[-300:]}", flush=True)
+    for n, tree in list(trees.items()):
+        for test in args.test:
+            rc = run_in(tree, ["-m", "pytest", "-q", "-x", test], out / f"test_{n}.log")
+            print(f"{n}: {test} rc={rc}", flush=True)
+            if rc != 0:
+                trees.pop(n)  # a variant that fails its tests is not timed
+                break
+    base_runs, variants = [], {}
+    for fam in args.family:
+        for label, tree in [("base", REPO), *trees.items(), ("base2", REPO)]:
+            path = out / f"{fam}_{label}.json"
+            rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path)], out / f"bench_{label}.log")
+            if rc != 0 or not path.exists():
+                print(f"{fam} {label}: bench failed (rc {rc}), see {out / f'bench_{label}.log'}", flush=True)
+                continue
+            if label.startswith("base"):
+                base_runs.append(rows(path))
+            else:
+                variants.setdefault(label, {}).update(rows(path))
+    if not base_runs:
+        return 1
+    merged = [{k: v for run in base_runs[i::2] for k, v in run.items()} for i in range(min(2, len(base_runs)))]
+    report = compare(merged, variants)
+    print("\n".join(report))
+    (out / "report.txt").write_text("\n".join(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
