@@ -1,0 +1,90 @@
+"""Two kernels side by side under Nsight Compute: the metrics of a few sections, as one text table.
+
+    python3 scripts/ncu_pair.py prefill [B H N D] [--causal]   # tk's prefill kernel vs FA3's, same inputs
+    python3 scripts/ncu_pair.py based_step                     # tk's Based decode step vs a copy of its bytes
+
+Each side runs under `ncu --csv --page details` on its own process (skipping warm-up launches) and the table
+lists every metric both report, so what limits tk (tensor pipe, issue stalls, memory, occupancy) reads off
+against a kernel that does the same work faster. Full output lands in $OUT/ncu_*.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "WarpStateStats",
+            "SchedulerStats", "Occupancy", "LaunchStats"]
+
+BASED_STEP = """
+import sys
+import torch
+sys.path.insert(0, {repo!r})
+from tk_backend import based
+b, h, f, d = 256, 16, 16, 64  # the bench's step case
+q, k = (torch.randn(b, h, f, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+v = torch.randn(b, h, d, device="cuda", dtype=torch.bfloat16)
+state = based.empty_state(b, h, d, "cuda")
+for t in state:
+    t.normal_()
+src = torch.empty(sum(t.numel() for t in state), device="cuda")
+dst = torch.empty_like(src)
+for _ in range(4):
+    if {side!r} == "tk":
+        based.based_step(q, k, v, state, inplace=True)
+    else:
+        dst.copy_(src)
+torch.cuda.synchronize()
+"""
+
+
+def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> dict[str, str]:
+    ncu = ["ncu", "--csv", "--page", "details", "--kernel-name-base", "demangled", "-k", f"regex:{kernel_regex}",
+           "-s", "2", "-c", "1"]
+    for section in SECTIONS:
+        ncu += ["--section", section]
+    proc = subprocess.run(ncu + command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    (out / f"ncu_{label}.csv").write_text(proc.stdout + "\n" + proc.stderr[-4000:])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('"')]
+    metrics = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines))):
+        name = f"{row.get('Section Name', '')}: {row.get('Metric Name', '')} [{row.get('Metric Unit', '')}]"
+        metrics[name] = row.get("Metric Value", "")
+    if not metrics:
+        print(f"{label}: ncu reported nothing (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["prefill", "based_step"])
+    parser.add_argument("shape", nargs="*", type=int, default=[16, 16, 4096, 128])
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT", "/tmp")) / "ncu"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "prefill":
+        base = [sys.executable, "scripts/profile_prefill.py", *map(str, args.shape), "--iters", "1"]
+        base += ["--causal"] if args.causal else []
+        sides = {"tk": (base + ["--impl", "tk"], "attn_prefill"), "fa3": (base + ["--impl", "fa3"], "flash")}
+    else:
+        sides = {s: ([sys.executable, "-c", BASED_STEP.format(repo=str(REPO), side=s)], regex)
+                 for s, regex in (("tk", "based_step"), ("copy", "direct_copy"))}
+    results = {label: run_side(cmd, regex, label, out) for label, (cmd, regex) in sides.items()}
+    a, b = results
+    names = [n for n in results[a] if n in results[b]]
+    width = max((len(n) for n in names), default=20)
+    lines = [f"{'metric':<{width}}  {a:>18}  {b:>18}"]
+    lines += [f"{n:<{width}}  {results[a][n]:>18}  {results[b][n]:>18}" for n in names]
+    print("\n".join(lines))
+    (out / f"pair_{args.what}.txt").write_text("\n".join(lines) + "\n")
+    return 0 if names else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
