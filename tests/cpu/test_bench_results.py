@@ -28,3 +28,15 @@ def test_a_run_replaces_its_cases_and_keeps_the_others():
     assert by_key[("gemm", "4096", "tk")]["commit"] == "old"
     assert old["results"][4] == {"kernel": "gemm", "case": "4096", "impl": "tk", "median_ms": 0.2}  # input untouched
     assert len(merged) == 5
+
+
+def test_ab_report_gives_variant_over_base_and_the_base_drift():
+    import ab
+
+    base = [{("k", "c1"): {"tk": 1.0, "fa3": 0.8}, ("k", "c2"): {"tk": 2.0, "fa3": 2.2}},
+            {("k", "c1"): {"tk": 1.02, "fa3": 0.8}, ("k", "c2"): {"tk": 2.0, "fa3": 2.2}}]
+    variants = {"pdl": {("k", "c1"): {"tk": 0.9, "fa3": 0.81}}}
+    header, c1, c2 = ab.compare(base, variants)
+    assert "pdl / base" in header
+    assert c1.split()[1:6] == ["1.0100", "1.020", "0.891", "0.800", "0.900"]  # median base, drift, ratio, tk/peer
+    assert c2.split()[1:4] == ["2.0000", "1.000", "-"]  # a case the variant did not run
