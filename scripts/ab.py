@@ -1,11 +1,14 @@
 """A/B of kernel variants in one GPU call: the tree as it is (base) against copies with patches applied.
 
     python3 scripts/ab.py --family attn_decode [--family ...] [--test tests/gpu/test_decode.py] ab/decode-pdl.patch ...
+    python3 scripts/ab.py ab/decode-pdl.patch=attn_decode ab/based-step-pipelined.patch=based \
+        --test-for decode-pdl=tests/gpu/test_decode.py --test-for based-step-pipelined=tests/gpu/test_based.py
 
 Make a patch here with e.g. `git diff main wip/decode-pdl > ab/decode-pdl.patch` (ab/ is not ignored, so it
 travels with the device call). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
 to the base (the CPU cores split between the builds); then each variant's --test files run, and each family's
-bench runs once per tree, in turn (base, variants, then base again, so that drift shows). Prints, per case, every
+bench runs once per tree, in turn (base, variants, then base again, so that drift shows). PATCH=fam1,fam2 times that variant on those families
+only (the families run are the union of --family and these). Prints, per case, every
 variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each; the JSON lands in
 $OUT/ab/. The bench table of bench/results is not touched.
 """
@@ -82,15 +85,29 @@ def compare(base_runs: list[dict], variants: dict[str, dict]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("patches", nargs="+", type=Path)
-    parser.add_argument("--family", action="append", required=True)
+    parser.add_argument("patches", nargs="+", help="PATCH or PATCH=family1,family2")
+    parser.add_argument("--family", action="append", default=[])
     parser.add_argument("--test", action="append", default=[], help="pytest files each variant must pass first")
+    parser.add_argument("--test-for", action="append", default=[], metavar="NAME=PYTEST_FILE",
+                        help="a pytest file only variant NAME must pass first")
     parser.add_argument("--root", type=Path, default=Path("/tmp/ab"))
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "ab"
     out.mkdir(parents=True, exist_ok=True)
-    names = [p.name.removesuffix(".patch") for p in args.patches]
-    trees = {n: prepare(n, p, args.root) for n, p in zip(names, args.patches)}
+    patches, families_of = {}, {}
+    for spec in args.patches:
+        path, _, fams = spec.partition("=")
+        name = Path(path).name.removesuffix(".patch")
+        patches[name] = Path(path)
+        families_of[name] = fams.split(",") if fams else list(args.family)
+    families = list(dict.fromkeys(args.family + [f for fams in families_of.values() for f in fams]))
+    if not families:
+        parser.error("no family to time: give --family or PATCH=family")
+    tests_of = {n: list(args.test) for n in patches}
+    for spec in args.test_for:
+        name, _, test = spec.partition("=")
+        tests_of.setdefault(name, []).append(test)
+    trees = {n: prepare(n, p, args.root) for n, p in patches.items()}
     jobs = max(1, (os.cpu_count() or 16) // (len(trees) + 1))
     with ThreadPoolExecutor(len(trees) + 1) as pool:
         built = dict(zip(["base", *trees], pool.map(lambda t: build(t, jobs, out / f"build_{t.name}.log"),
@@ -105,15 +122,18 @@ def main() -> int:
                                env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
         print(f"{n}: tk_backend from {found.stdout.strip() or found.stderr[-300:]}", flush=True)
     for n, tree in list(trees.items()):
-        for test in args.test:
+        for test in tests_of.get(n, []):
             rc = run_in(tree, ["-m", "pytest", "-q", "-x", test], out / f"test_{n}.log")
             print(f"{n}: {test} rc={rc}", flush=True)
             if rc != 0:
                 trees.pop(n)  # a variant that fails its tests is not timed
                 break
     base_runs, variants = [], {}
-    for fam in args.family:
-        for label, tree in [("base", REPO), *trees.items(), ("base2", REPO)]:
+    for fam in families:
+        runs = [(n, t) for n, t in trees.items() if fam in families_of[n]]
+        if not runs:
+            continue
+        for label, tree in [("base", REPO), *runs, ("base2", REPO)]:
             path = out / f"{fam}_{label}.json"
             rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path)], out / f"bench_{label}.log")
             if rc != 0 or not path.exists():
