@@ -8,7 +8,7 @@ Make a patch here with e.g. `git diff main wip/decode-pdl > ab/decode-pdl.patch`
 travels with the device call). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
 to the base (the CPU cores split between the builds); then each variant's --test files run, and each family's
 bench runs once per tree, in turn (base, variants, then base again, so that drift shows). PATCH=fam1,fam2 times that variant on those families
-only (the families run are the union of --family and these). Prints, per case, every
+only (the families run are the union of --family and these); A.patch+B.patch is one variant with both applied. Prints, per case, every
 variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each; the JSON lands in
 $OUT/ab/. The bench table of bench/results is not touched.
 """
@@ -28,12 +28,13 @@ REPO = Path(__file__).resolve().parent.parent
 IGNORE = shutil.ignore_patterns("build", "*.so", "__pycache__", ".offline-vllm", ".whl", ".git", "out", "*.egg-info")
 
 
-def prepare(name: str, patch: Path, root: Path) -> Path:
+def prepare(name: str, patches: list[Path], root: Path) -> Path:
     tree = root / name
     if tree.exists():
         shutil.rmtree(tree)
     shutil.copytree(REPO, tree, ignore=IGNORE)
-    subprocess.run(["patch", "-p1", "-s", "-i", str(patch.resolve())], cwd=tree, check=True)
+    for patch in patches:
+        subprocess.run(["patch", "-p1", "-s", "-i", str(patch.resolve())], cwd=tree, check=True)
     return tree
 
 
@@ -85,7 +86,7 @@ def compare(base_runs: list[dict], variants: dict[str, dict]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("patches", nargs="+", help="PATCH or PATCH=family1,family2")
+    parser.add_argument("patches", nargs="+", help="PATCH, PATCH+PATCH (both applied), each optionally =family1,family2")
     parser.add_argument("--family", action="append", default=[])
     parser.add_argument("--test", action="append", default=[], help="pytest files each variant must pass first")
     parser.add_argument("--test-for", action="append", default=[], metavar="NAME=PYTEST_FILE",
@@ -96,9 +97,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     patches, families_of = {}, {}
     for spec in args.patches:
-        path, _, fams = spec.partition("=")
-        name = Path(path).name.removesuffix(".patch")
-        patches[name] = Path(path)
+        paths, _, fams = spec.partition("=")
+        files = [Path(p) for p in paths.split("+")]  # a+b: one variant with both patches applied
+        name = "+".join(f.name.removesuffix(".patch") for f in files)
+        patches[name] = files
         families_of[name] = fams.split(",") if fams else list(args.family)
     families = list(dict.fromkeys(args.family + [f for fams in families_of.values() for f in fams]))
     if not families:
