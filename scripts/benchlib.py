@@ -96,6 +96,13 @@ def commit_of_tree() -> str:
         return "unknown"
 
 
+def selected(impls: dict) -> dict:
+    """The impls to time: all, or those named in $TK_BENCH_IMPLS (comma-separated; e.g. tk for an A/B of tk
+    variants, where the peers' times add nothing)."""
+    only = [i for i in os.environ.get("TK_BENCH_IMPLS", "").split(",") if i]
+    return {k: v for k, v in impls.items() if not only or k in only}
+
+
 def merged_rows(old: dict, rows: Sequence[Row], commit: str) -> list[dict]:
     """Replace the rows of the cases that ran (every impl of such a case, so that a case's ratios always come
     from one run); keep every other row, each with the commit it measured."""

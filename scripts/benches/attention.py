@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tk_backend
-from benchlib import Row, time_per_call
+from benchlib import Row, selected, time_per_call
 
 TOKENS = 65536
 DENSE = [(128, 16), (64, 32), (256, 8)]  # head dim, heads
@@ -33,7 +33,7 @@ def _flops(lengths_q, lengths_k, heads, d, causal):
 def _measure(case: str, impls: dict, flops: int) -> list[Row]:
     """Time each impl; a peer that cannot run the case is left out, and the reason printed."""
     rows = []
-    for impl, call in impls.items():
+    for impl, call in selected(impls).items():
         try:
             ms = time_per_call(call, 1)
         except Exception as exc:  # noqa: BLE001 - any failure of a peer

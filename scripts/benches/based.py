@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from benchlib import Row, copies_to_defeat_l2, time_per_call
+from benchlib import Row, copies_to_defeat_l2, selected, time_per_call
 from tk_backend import based
 
 B, H, DK, DV = 16, 16, 16, 64
@@ -28,7 +28,7 @@ def _fla():
 
 def _time(case: str, impls: dict, sets: int, **metric) -> list[Row]:
     rows = []
-    for impl, call in impls.items():
+    for impl, call in selected(impls).items():
         try:
             ms = time_per_call(call, sets)
         except Exception as exc:  # noqa: BLE001

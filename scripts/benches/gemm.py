@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import tk_backend
-from benchlib import Row, copies_to_defeat_l2, time_per_call
+from benchlib import Row, copies_to_defeat_l2, selected, time_per_call
 
 # (M, N, K, trans_b): squares, the small-K cases where a persistent overlapped epilogue pays, and
 # 4096 tokens through Llama-3-8B's qkv, o and up projections (weights [N, K], as nn.Linear holds them).
@@ -32,7 +32,7 @@ def run(quick: bool = False) -> list[Row]:
             "tk": lambda i: tk_backend.gemm(a[i], b[i], trans_b=trans_b, out=c[i]),
             "cublas": lambda i: torch.matmul(a[i], b[i].T if trans_b else b[i], out=c[i]),
         }
-        for name, call in impls.items():
+        for name, call in selected(impls).items():
             ms = time_per_call(call, sets)
             rows.append(Row("gemm", case_name(m, n, k, trans_b), name, ms, tflops=2 * m * n * k / ms / 1e9))
         del a, b, c

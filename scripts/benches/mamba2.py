@@ -22,7 +22,7 @@ import traceback
 import torch
 
 import tk_backend
-from benchlib import Row, copies_to_defeat_l2, time_per_call
+from benchlib import Row, copies_to_defeat_l2, selected, time_per_call
 
 PAPER = [(16, n, 16, 64, 64, 1, 64) for n in (1024, 4096, 16384)]  # batch, seqlen, heads, headdim, dstate, groups, chunk
 SERVING = [(80, 64, 128, 1, 256), (80, 64, 128, 8, 256)]            # heads, headdim, dstate, groups, chunk
@@ -128,7 +128,7 @@ def run(quick: bool = False) -> list[Row]:
                                                                       out=outs[i])}
         if ssm is not None:
             impls["mamba_ssm"] = lambda i: ssm(**inp[i], chunk_size=chunk, dt_softplus=True)
-        for name, call in impls.items():
+        for name, call in selected(impls).items():
             try:
                 ms = time_per_call(call, sets)
             except Exception as exc:  # noqa: BLE001
@@ -169,7 +169,7 @@ def run(quick: bool = False) -> list[Row]:
                             dt_limit=(0.0, math.inf), return_intermediate_states=False, state_dtype=torch.float32)
             impls["vllm_triton"] = vllm_call
         notes = []
-        for name, call in impls.items():
+        for name, call in selected(impls).items():
             try:
                 if name == "vllm_triton":  # a wrong call must not time as a fast one
                     tk_call(0)
