@@ -78,7 +78,7 @@ def compare(base_runs: list[dict], variants: dict[str, dict]) -> list[str]:
 
         ratio = [f"{variants[n][key]['tk'] / base_tk:.3f}" if key in variants[n] and "tk" in variants[n][key] else "-"
                  for n in variants]
-        lines.append(f"{key[1]:<46}{base_tk:>11.4f}{drift:>7.3f}  " + "  ".join(f"{r:>16}" for r in ratio)
+        lines.append(f"{key[0] + ':' + key[1]:<46}{base_tk:>11.4f}{drift:>7.3f}  " + "  ".join(f"{r:>16}" for r in ratio)
                      + f"{vs_peer(base_runs[0][key]):>14}  "
                      + "  ".join(f"{vs_peer(variants[n].get(key, {})):>16}" for n in variants))
     return lines
@@ -135,13 +135,14 @@ def main() -> int:
         runs = [(n, t) for n, t in trees.items() if fam in families_of[n]]
         if not runs:
             continue
-        for label, tree in [("base", REPO), *runs, ("base2", REPO)]:
-            path = out / f"{fam}_{label}.json"
-            rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path)], out / f"bench_{label}.log")
+        for label, tree, is_base in [("base", REPO, True), *((n, t, False) for n, t in runs), ("base2", REPO, True)]:
+            path = out / f"{fam}_{'' if is_base else 'variant_'}{label}.json"
+            log = out / f"bench_{'' if is_base else 'variant_'}{label}.log"
+            rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path)], log)
             if rc != 0 or not path.exists():
-                print(f"{fam} {label}: bench failed (rc {rc}), see {out / f'bench_{label}.log'}", flush=True)
+                print(f"{fam} {label}: bench failed (rc {rc}), see {log}", flush=True)
                 continue
-            if label.startswith("base"):
+            if is_base:
                 base_runs.append(rows(path))
             else:
                 variants.setdefault(label, {}).update(rows(path))

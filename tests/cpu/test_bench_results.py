@@ -40,3 +40,39 @@ def test_ab_report_gives_variant_over_base_and_the_base_drift():
     assert "pdl / base" in header
     assert c1.split()[1:6] == ["1.0100", "1.020", "0.891", "0.800", "0.900"]  # median base, drift, ratio, tk/peer
     assert c2.split()[1:4] == ["2.0000", "1.000", "-"]  # a case the variant did not run
+
+
+def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_path, monkeypatch):
+    """Orchestration with the builds and benches faked: a variant whose name starts with "base" is still a variant."""
+    import json
+
+    import ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+    ran = []
+
+    def fake_run(tree, args, log, timeout=900):
+        ran.append((tree.name if tree != ab.REPO else "BASE", args[0], args[2] if len(args) > 2 else ""))
+        if args[0] == "scripts/bench.py":
+            ms = 1.0 if tree == ab.REPO else 0.8
+            Path(args[4]).write_text(json.dumps({"results": [{"kernel": args[2], "case": "c", "impl": "tk",
+                                                             "median_ms": ms}]}))
+        return 0
+
+    monkeypatch.setattr(ab, "run_in", fake_run)
+    root = tmp_path / "trees"
+    patches = Path(__file__).resolve().parents[2] / "ab"
+    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'based-step-pipelined.patch'}=based",
+                                      f"{patches / 'mask-branchless.patch'}=attn_decode",
+                                      "--test-for", "based-step-pipelined=tests/gpu/test_based.py",
+                                      "--root", str(root)])
+    assert ab.main() == 0
+    benches = [(tree, fam) for tree, what, fam in ran if what == "scripts/bench.py"]
+    assert benches == [("BASE", "based"), ("based-step-pipelined", "based"), ("BASE", "based"),
+                       ("BASE", "attn_decode"), ("mask-branchless", "attn_decode"), ("BASE", "attn_decode")]
+    assert ("based-step-pipelined", "-m", "-q") in ran  # its test ran before its bench
+    report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
+    assert "based-step-pipelined / base" in report[0] and "mask-branchless / base" in report[0]
+    assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.800"]
+    assert report[2].split()[:5] == ["attn_decode:c", "1.0000", "1.000", "-", "0.800"]
