@@ -76,3 +76,30 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     assert "based-step-pipelined / base" in report[0] and "mask-branchless / base" in report[0]
     assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.800"]
     assert report[2].split()[:5] == ["attn_decode:c", "1.0000", "1.000", "-", "0.800"]
+
+
+def test_profile_serve_summary_splits_gpu_time(tmp_path):
+    """scripts/profile_serve.py's reading of a torch-profiler trace: busy = union of kernel intervals."""
+    import json
+
+    import profile_serve
+
+    events = [{"cat": "kernel", "name": "void kittens::lcsf::kernel<attn_prefill<bf16, 128>>", "ts": 0, "dur": 10},
+              {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 5, "dur": 20},  # overlaps the first
+              {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 40, "dur": 10},
+              {"cat": "kernel", "name": "flash::FlashAttnFwdSm90", "ts": 60, "dur": 5},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    import os
+
+    rank0 = tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json"
+    rank1 = tmp_path / "dp0_pp0_tp1_dcp0_ep0_rank1.2.pt.trace.json"
+    rank0.write_text(json.dumps({"traceEvents": events}))
+    rank1.write_text(json.dumps({"traceEvents": events[:1]}))
+    os.utime(rank1, (rank0.stat().st_mtime + 5, rank0.stat().st_mtime + 5))
+    (tmp_path / "wall.json").write_text(json.dumps({"seconds": 0.001}))
+    summary = profile_serve.summarize(tmp_path)  # rank 0's trace, though rank 1's is newer
+    assert summary["kernels"] == 4
+    assert summary["kernel_span_ms"] == 0.065 and summary["gpu_busy_ms"] == 0.04
+    assert abs(summary["gpu_idle_ms"] - 0.025) < 1e-12
+    assert summary["attention_ms"] == 0.015 and summary["other_kernels_ms"] == 0.03
+    assert summary["top"][0] == ("sm90_xmma_gemm_bf16", 0.03)
