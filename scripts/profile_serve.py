@@ -5,8 +5,10 @@
 Each backend runs in its own process (the serve bench's model, settings and prompts; one untimed run of the
 case first), with vLLM's torch profiler on around a second run. From rank 0's trace it prints, per backend:
 the generate() wall time, the GPU's busy time (union of kernel intervals) and its idle time, the kernel time of
-attention kernels (ours, FA3's, Triton's) against everything else, and the top kernels. A gap in idle time
-points at the host (scheduling, metadata building, launch); a gap in attention time at the kernels.
+attention kernels (ours, FA3's, Triton's) against everything else, the top kernels, and the host's launches
+(graph replays vs single kernels: a decode step that is not a full CUDA graph shows as many single launches).
+A gap in idle time points at the host (scheduling, metadata building, launch); a gap in attention time at the
+kernels.
 vLLM's own per-op table (profiler_out_0.txt) and the traces stay under --out.
 """
 from __future__ import annotations
@@ -54,8 +56,9 @@ def worker(model: str, backend: str, tp: int, case: str, out_dir: Path) -> None:
     (out_dir / "wall.json").write_text(json.dumps({"seconds": seconds}))
 
 
-def _trace_events(out_dir: Path) -> list[dict]:
-    """Kernel events of rank 0's trace (vLLM names each rank's trace ..._rankN.<time>.pt.trace.json)."""
+def _trace_events(out_dir: Path, category: str = "kernel") -> list[dict]:
+    """Events of one category (kernel, cuda_runtime, ...) of rank 0's trace (vLLM names each rank's trace
+    ..._rankN.<time>.pt.trace.json)."""
     traces = sorted((p for p in out_dir.rglob("*.json*") if "pt.trace" in p.name), key=lambda p: p.stat().st_mtime)
     rank0 = [p for p in traces if "rank0." in p.name] or traces
     if not rank0:
@@ -63,7 +66,7 @@ def _trace_events(out_dir: Path) -> list[dict]:
     opener = gzip.open if rank0[-1].suffix == ".gz" else open
     with opener(rank0[-1], "rt") as f:
         doc = json.load(f)
-    return [e for e in doc.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    return [e for e in doc.get("traceEvents", []) if e.get("cat") == category and "dur" in e]
 
 
 def summarize(out_dir: Path) -> dict:
@@ -81,10 +84,16 @@ def summarize(out_dir: Path) -> dict:
     span = spans[-1][1] - spans[0][0] if spans else 0.0
     wall = json.loads((out_dir / "wall.json").read_text())["seconds"]
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    # Graph replays vs single launches on the host: a decode step that is not replayed as a full CUDA graph
+    # launches each layer's attention kernels one by one.
+    launches: dict[str, int] = defaultdict(int)
+    for e in _trace_events(out_dir, "cuda_runtime"):
+        if "Launch" in e["name"]:
+            launches[e["name"]] += 1
     return {"wall_ms": wall * 1e3, "kernel_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3,
             "gpu_idle_ms": (span - busy) / 1e3, "attention_ms": attention / 1e3,
             "other_kernels_ms": (sum(by_name.values()) - attention) / 1e3, "kernels": len(kernels),
-            "top": [(n[:90], round(t / 1e3, 2)) for n, t in top]}
+            "top": [(n[:90], round(t / 1e3, 2)) for n, t in top], "launches": dict(launches)}
 
 
 def main() -> int:
@@ -122,6 +131,7 @@ def main() -> int:
               f"{summary['kernel_span_ms']:.0f} ms, GPU busy {summary['gpu_busy_ms']:.0f} / idle "
               f"{summary['gpu_idle_ms']:.0f} ms; attention {summary['attention_ms']:.1f} ms, other kernels "
               f"{summary['other_kernels_ms']:.1f} ms, {summary['kernels']} kernels")
+        print(f"   host launches: {summary['launches']}")
         for name, ms in summary["top"]:
             print(f"   {ms:9.2f} ms  {name}")
     args.out.mkdir(parents=True, exist_ok=True)

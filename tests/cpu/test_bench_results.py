@@ -88,7 +88,11 @@ def test_profile_serve_summary_splits_gpu_time(tmp_path):
               {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 5, "dur": 20},  # overlaps the first
               {"cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 40, "dur": 10},
               {"cat": "kernel", "name": "flash::FlashAttnFwdSm90", "ts": 60, "dur": 5},
-              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 2},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 3, "dur": 1},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 1},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 7, "dur": 1}]
     import os
 
     rank0 = tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json"
@@ -99,6 +103,7 @@ def test_profile_serve_summary_splits_gpu_time(tmp_path):
     (tmp_path / "wall.json").write_text(json.dumps({"seconds": 0.001}))
     summary = profile_serve.summarize(tmp_path)  # rank 0's trace, though rank 1's is newer
     assert summary["kernels"] == 4
+    assert summary["launches"] == {"cudaGraphLaunch": 1, "cudaLaunchKernel": 2}
     assert summary["kernel_span_ms"] == 0.065 and summary["gpu_busy_ms"] == 0.04
     assert abs(summary["gpu_idle_ms"] - 0.025) < 1e-12
     assert summary["attention_ms"] == 0.015 and summary["other_kernels_ms"] == 0.03
