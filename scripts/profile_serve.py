@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from benches import serve  # noqa: E402
+from serve_demo import vllm_env  # noqa: E402
 
 # Kernel-name fragments of attention kernels: ours (attention.cu, decode.cu), FA3, Triton's unified attention,
 # and the KV-cache write, which every backend here shares.
@@ -114,8 +115,7 @@ def main() -> int:
     from build_tiny_model import build
 
     model = build(Path("/tmp") / f"tk_serve_{serve.PRESET}", preset=serve.PRESET)
-    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = vllm_env()
     report = {}
     for impl in args.impls.split(","):
         out_dir = args.out / f"{impl}_tp{args.tp}_{args.case}"

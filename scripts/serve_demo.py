@@ -31,6 +31,13 @@ REPO = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tk-tiny"
 
 
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment for a vLLM process here: offline (no hub, no usage stats) and vLLM's own sampler unless
+    VLLM_USE_FLASHINFER_SAMPLER says otherwise; `extra` on top."""
+    return {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **extra}
+
+
 def missing_requirements(gpus: int = 1) -> list[str]:
     """Why this machine cannot run the demo on `gpus` GPUs (empty: it can)."""
     problems = []
@@ -167,8 +174,7 @@ def main() -> int:
         port = args.port or free_port()
         base = f"http://127.0.0.1:{port}"
         log_path = Path(tmp) / "server.log"
-        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        env = vllm_env()
         command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
                    "--attention-backend", "TK", "--host", "127.0.0.1", "--port", str(port),
                    "--served-model-name", SERVED_NAME, "--max-model-len", "4096",

@@ -66,6 +66,7 @@ def worker(model: str, backend: str, tp: int, out: str, cases: list[str], repeat
 
 def run(quick: bool = False) -> list:
     from benchlib import Row
+    from serve_demo import vllm_env
 
     try:
         import vllm  # noqa: F401
@@ -79,8 +80,7 @@ def run(quick: bool = False) -> list:
     suffix = f"_tp{tp}" if tp > 1 else ""
     cases = list(CASES)[1:] if quick else list(CASES)
     model = build(Path(tempfile.gettempdir()) / f"tk_serve_{PRESET}", preset=PRESET)
-    env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = vllm_env()
     only = [i for i in os.environ.get("TK_SERVE_IMPLS", "").split(",") if i]
     unknown = sorted(set(only) - set(IMPLS))
     if unknown:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -91,9 +90,7 @@ def run_worker(model: str, path: str, enable: str, out: str) -> None:
 def _run(model_dir: Path, path: str, enable: str, out_dir: Path) -> dict:
     out = out_dir / f"{path}_{enable}.json"
     if not out.exists():
-        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # engine in this process: STATS readable
+        env = harness.vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in this process: STATS readable
         env.pop("TK_MAMBA", None)
         if path in ("triton", "triton32"):
             env["TK_MAMBA"] = "0"
@@ -123,10 +120,6 @@ def assert_as_accurate_as_triton(tk: dict, triton: dict, fp32: dict) -> str:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        pytest.skip("vLLM is not importable (GPU host: source /tmp/vllm_site/env.sh)")
     return harness.workdir(tmp_path_factory, "vllm_mamba_e2e")
 
 
