@@ -16,14 +16,13 @@ sliding-window layers 16 heads of 64 over a 64-token window, BaseConv a width-3 
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from build_tiny_model import build_tokenizer, cli, save_random_model, token_ids  # noqa: E402
+from build_tiny_model import build_once, build_tokenizer, cli, save_random_model, token_ids  # noqa: E402
 
 _BASE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=16,
              linear_attn_num_heads=16, linear_attn_feature_dim=16, sliding_window=64, conv_kernel=3, conv_expand=2)
@@ -40,28 +39,21 @@ def build(out_dir: str | Path, preset: str = "tiny-based", seed: int = 0, vocab_
     from tk_backend.models import BasedConfig
     from tk_backend.models.modeling_based import BasedForCausalLM
 
-    out_dir = Path(out_dir)
-    stamp = {"preset": preset, "seed": seed, "vocab_size": vocab_size, "lm_head_scale": lm_head_scale,
-             "max_position_embeddings": max_position_embeddings}
-    stamp_file = out_dir / "tk_tiny_model.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
-        return out_dir
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    def write(out: Path) -> None:
+        tokenizer = build_tokenizer(out, vocab_size, seed, max_position_embeddings)
+        config = BasedConfig(
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            architectures=["BasedForCausalLM"],
+            **token_ids(tokenizer),
+            **PRESETS[preset],
+        )
+        save_random_model(BasedForCausalLM, config, out, seed, lm_head_scale)
 
-    tokenizer = build_tokenizer(out_dir, vocab_size, seed, max_position_embeddings)
-    config = BasedConfig(
-        max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        architectures=["BasedForCausalLM"],
-        **token_ids(tokenizer),
-        **PRESETS[preset],
-    )
-    save_random_model(BasedForCausalLM, config, out_dir, seed, lm_head_scale)
-    stamp_file.write_text(json.dumps(stamp))
-    return out_dir
+    stamp = {"seed": seed, "vocab_size": vocab_size, "lm_head_scale": lm_head_scale,
+             "max_position_embeddings": max_position_embeddings}
+    return build_once(out_dir, preset, PRESETS, stamp, write)
 
 
 def main() -> None:

@@ -24,12 +24,11 @@ models, at a width (hidden 1024, 32 heads) that keeps vLLM's start-up ordinary:
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_tiny_model import build_tokenizer, cli, save_random_model, token_ids  # noqa: E402
+from build_tiny_model import build_once, build_tokenizer, cli, save_random_model, token_ids  # noqa: E402
 
 COMMON = dict(hidden_size=1024, num_heads=32, head_dim=64, expand=2, num_hidden_layers=4, conv_kernel=4,
               chunk_size=256)
@@ -44,33 +43,26 @@ def build(out_dir: str | Path, preset: str = "mamba2-n128-g8", seed: int = 0, vo
     """Write the model and tokenizer to out_dir (skipped if out_dir already holds this preset and seed)."""
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
-    out_dir = Path(out_dir)
-    stamp = {"preset": preset, "seed": seed, "vocab_size": vocab_size, "lm_head_scale": lm_head_scale,
-             "arch": "Mamba2ForCausalLM"}
-    stamp_file = out_dir / "tk_tiny_model.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
-        return out_dir
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
-    shape = PRESETS[preset]
-    if shape["expand"] * shape["hidden_size"] != shape["num_heads"] * shape["head_dim"]:
+    shape = PRESETS.get(preset)
+    if shape and shape["expand"] * shape["hidden_size"] != shape["num_heads"] * shape["head_dim"]:
         raise ValueError(f"preset {preset}: expand * hidden_size must equal num_heads * head_dim")
-    out_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_tokenizer(out_dir, vocab_size, seed, model_max_length=2048)
-    config = Mamba2Config(
-        layer_norm_epsilon=1e-5,
-        use_bias=False,
-        use_conv_bias=True,
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        **token_ids(tokenizer),
-        **shape,
-    )
-    config.architectures = ["Mamba2ForCausalLM"]
-    save_random_model(Mamba2ForCausalLM, config, out_dir, seed, lm_head_scale)
-    stamp_file.write_text(json.dumps(stamp))
-    return out_dir
+    def write(out: Path) -> None:
+        tokenizer = build_tokenizer(out, vocab_size, seed, model_max_length=2048)
+        config = Mamba2Config(
+            layer_norm_epsilon=1e-5,
+            use_bias=False,
+            use_conv_bias=True,
+            hidden_act="silu",
+            tie_word_embeddings=False,
+            **token_ids(tokenizer),
+            **shape,
+        )
+        config.architectures = ["Mamba2ForCausalLM"]
+        save_random_model(Mamba2ForCausalLM, config, out, seed, lm_head_scale)
+
+    stamp = {"seed": seed, "vocab_size": vocab_size, "lm_head_scale": lm_head_scale, "arch": "Mamba2ForCausalLM"}
+    return build_once(out_dir, preset, PRESETS, stamp, write)
 
 
 def main() -> None:

@@ -113,26 +113,35 @@ def build(out_dir: str | Path, preset: str = "tiny-hd128", seed: int = 0, vocab_
     """Write the model and tokenizer to out_dir (skipped if out_dir already holds this preset and seed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out_dir = Path(out_dir)
-    stamp = {"preset": preset, "seed": seed, "vocab_size": vocab_size, "lm_head_scale": lm_head_scale,
+    def write(out: Path) -> None:
+        tokenizer = build_tokenizer(out, vocab_size, seed, max_position_embeddings)
+        config = LlamaConfig(
+            max_position_embeddings=max_position_embeddings,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            **token_ids(tokenizer),
+            **PRESETS[preset],
+        )
+        save_random_model(LlamaForCausalLM, config, out, seed, lm_head_scale)
+
+    stamp = {"seed": seed, "vocab_size": vocab_size, "lm_head_scale": lm_head_scale,
              "max_position_embeddings": max_position_embeddings}
+    return build_once(out_dir, preset, PRESETS, stamp, write)
+
+
+def build_once(out_dir: str | Path, preset: str, presets: dict, stamp: dict, write) -> Path:
+    """write(out_dir) unless out_dir already holds the model of this preset and stamp (the build's arguments),
+    which is then recorded there; an unknown preset is refused."""
+    out_dir = Path(out_dir)
+    stamp = {"preset": preset, **stamp}
     stamp_file = out_dir / "tk_tiny_model.json"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return out_dir
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if preset not in presets:
+        raise ValueError(f"preset must be one of {', '.join(presets)}, got {preset!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = build_tokenizer(out_dir, vocab_size, seed, max_position_embeddings)
-    config = LlamaConfig(
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        **token_ids(tokenizer),
-        **PRESETS[preset],
-    )
-    save_random_model(LlamaForCausalLM, config, out_dir, seed, lm_head_scale)
+    write(out_dir)
     stamp_file.write_text(json.dumps(stamp))
     return out_dir
 
