@@ -57,9 +57,9 @@ def worker(model: str, backend: str, tp: int, case: str, out_dir: Path) -> None:
     (out_dir / "wall.json").write_text(json.dumps({"seconds": seconds}))
 
 
-def _trace_events(out_dir: Path, category: str = "kernel") -> list[dict]:
-    """Events of one category (kernel, cuda_runtime, ...) of rank 0's trace (vLLM names each rank's trace
-    ..._rankN.<time>.pt.trace.json)."""
+def _trace_events(out_dir: Path) -> dict[str, list[dict]]:
+    """The timed events of rank 0's trace by category (kernel, cuda_runtime, ...); vLLM names each rank's trace
+    ..._rankN.<time>.pt.trace.json."""
     traces = sorted((p for p in out_dir.rglob("*.json*") if "pt.trace" in p.name), key=lambda p: p.stat().st_mtime)
     rank0 = [p for p in traces if "rank0." in p.name] or traces
     if not rank0:
@@ -67,11 +67,16 @@ def _trace_events(out_dir: Path, category: str = "kernel") -> list[dict]:
     opener = gzip.open if rank0[-1].suffix == ".gz" else open
     with opener(rank0[-1], "rt") as f:
         doc = json.load(f)
-    return [e for e in doc.get("traceEvents", []) if e.get("cat") == category and "dur" in e]
+    by_category: dict[str, list[dict]] = defaultdict(list)
+    for e in doc.get("traceEvents", []):
+        if "dur" in e:
+            by_category[e.get("cat", "")].append(e)
+    return by_category
 
 
 def summarize(out_dir: Path) -> dict:
-    kernels = _trace_events(out_dir)
+    events = _trace_events(out_dir)
+    kernels = events["kernel"]
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     busy, end = 0.0, float("-inf")
     for s, e in spans:  # union of the kernel intervals
@@ -88,7 +93,7 @@ def summarize(out_dir: Path) -> dict:
     # Graph replays vs single launches on the host: a decode step that is not replayed as a full CUDA graph
     # launches each layer's attention kernels one by one.
     launches: dict[str, int] = defaultdict(int)
-    for e in _trace_events(out_dir, "cuda_runtime"):
+    for e in events["cuda_runtime"]:
         if "Launch" in e["name"]:
             launches[e["name"]] += 1
     return {"wall_ms": wall * 1e3, "kernel_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3,
