@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
 // Launch on `grid` CTAs (normally min(tasks, SMs), rounded down to whole clusters) on `stream`.
 template <kernel_policy K>
 void launch(const typename K::globals& g, int grid, cudaStream_t stream) {
-  static_assert(shared_bytes<K> <= 227 * 1024, "the input ring and scratch do not fit in 227 KB of shared memory");
+  // The kernel's own static shared memory (48-64 bytes in ptxas' report) comes out of the same 227 KB.
+  static_assert(shared_bytes<K> + 128 <= 227 * 1024, "the input ring and scratch do not fit in 227 KB of shared memory");
   auto* fn = &kernel<K>;
   int device = 0;
   TK_CUDA_CHECK(cudaGetDevice(&device));
