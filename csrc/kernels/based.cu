@@ -276,13 +276,16 @@ struct based_prefill {
 
 // ---- decode: one token against the fp32 state, read and written once ---------------------------------
 // A block per (batch, head) of W * j threads (W = Dv + 1 state columns). The first and second moments of one
-// (batch, head) are contiguous runs of rows x W floats; thread t streams the 4-float groups at 4t + i * 4Wj, a
-// stride that is a whole number of rows, so its four columns never change: it keeps their output partial
-// sums in registers and adds them to the block's column sums once at the end.
+// (batch, head) are contiguous runs of rows x W floats, walked as one run of DK + FEAT2 rows (feature row
+// 1 + r for run row r); thread t streams the 4-float groups at 4t + i * 4Wj, a stride that is a whole number
+// of rows, so its four columns never change: it keeps their output partial sums in registers and adds them
+// to the block's column sums once at the end. The state does not depend on the token, so the first round of
+// loads goes out before the features are built, and each round's loads go out before the previous round is
+// updated and stored (the two never touch the same floats, so in-place updates stay correct).
 constexpr int FEATURES = 1 + DK + FEAT2;
 
 template <typename T>
-__global__ void based_step_kernel(const tk::based_step_problem p) {
+__global__ void __launch_bounds__(256, 4) based_step_kernel(const tk::based_step_problem p) {
   extern __shared__ float smem[];
   const int W = p.head_dim_v + 1;
   float* phi_k = smem;              // [FEATURES]
@@ -291,6 +294,31 @@ __global__ void based_step_kernel(const tk::based_step_problem p) {
   float* colsum = va + W;           // [W]: phi(q) . new state, per column
   __shared__ float qs[DK], kk[DK];
   const int b = blockIdx.x / p.heads, h = blockIdx.x % p.heads, tid = threadIdx.x;
+  const long bh = long(b) * p.heads + h;
+
+  // The state run: rows [0, DK) in the first moment, [DK, DK + FEAT2) in the second.
+  const float* in1 = p.state_in.first + bh * DK * W;
+  const float* in2 = p.state_in.second + bh * FEAT2 * W;
+  float* out1 = p.state_out.first + bh * DK * W;
+  float* out2 = p.state_out.second + bh * FEAT2 * W;
+  const int split = DK * W, total = (DK + FEAT2) * W;  // split is a multiple of 4: no group straddles it
+  const bool vec = ((reinterpret_cast<uintptr_t>(in1) | reinterpret_cast<uintptr_t>(in2) |
+                     reinterpret_cast<uintptr_t>(out1) | reinterpret_cast<uintptr_t>(out2)) & 15) == 0;
+  const int stride = 4 * blockDim.x, rows_per_step = stride / W;  // blockDim.x is a multiple of W
+  const int col0 = (4 * tid) % W, row0 = (4 * tid) / W;
+  constexpr int INFLIGHT = 4;  // groups per round; two rounds are in flight while one is updated
+  auto load = [&](float4 (&x)[INFLIGHT], int e0) {
+#pragma unroll
+    for (int i = 0; i < INFLIGHT; i++) {
+      const int e = e0 + i * stride;
+      if (e >= total) continue;
+      const float* src = e < split ? in1 + e : in2 + (e - split);
+      x[i] = vec ? *reinterpret_cast<const float4*>(src) : make_float4(src[0], src[1], src[2], src[3]);
+    }
+  };
+  float4 cur[INFLIGHT], next[INFLIGHT];
+  load(cur, 4 * tid);
+
   const T* q = static_cast<const T*>(p.q) + b * p.q_strides[0] + h * p.q_strides[1];
   const T* k = static_cast<const T*>(p.k) + b * p.k_strides[0] + h * p.k_strides[1];
   const T* v = static_cast<const T*>(p.v) + b * p.v_strides[0] + h * p.v_strides[1];
@@ -307,41 +335,28 @@ __global__ void based_step_kernel(const tk::based_step_problem p) {
   }
   __syncthreads();
 
-  const long bh = long(b) * p.heads + h;
-  const int stride = 4 * blockDim.x, rows_per_step = stride / W;  // blockDim.x is a multiple of W
-  const int col0 = (4 * tid) % W, row0 = (4 * tid) / W;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  // rows x W floats from `in` to `out` (which may alias); feature row f0 + r for state row r.
-  auto sweep = [&](const float* in, float* out, int rows, int f0) {
-    constexpr int INFLIGHT = 8;
-    const int total = rows * W;
-    const bool vec = ((reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) & 15) == 0;
-    for (int e0 = 4 * tid, r0 = row0; e0 < total; e0 += INFLIGHT * stride, r0 += INFLIGHT * rows_per_step) {
-      float4 x[INFLIGHT];
+  const int round = INFLIGHT * stride;
+  for (int e0 = 4 * tid, r0 = row0; e0 < total; e0 += round, r0 += INFLIGHT * rows_per_step) {
+    load(next, e0 + round);  // before this round's stores: disjoint floats
 #pragma unroll
-      for (int i = 0; i < INFLIGHT; i++) {
-        const int e = e0 + i * stride;
-        if (e < total)
-          x[i] = vec ? *reinterpret_cast<const float4*>(in + e) : make_float4(in[e], in[e + 1], in[e + 2], in[e + 3]);
+    for (int i = 0; i < INFLIGHT; i++) {
+      const int e = e0 + i * stride;
+      if (e >= total) continue;
+      float y[4] = {cur[i].x, cur[i].y, cur[i].z, cur[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const int wrap = col0 + j >= W, c = col0 + j - (wrap ? W : 0), f = 1 + r0 + i * rows_per_step + wrap;
+        y[j] += phi_k[f] * va[c];
+        acc[j] += phi_q[f] * y[j];
       }
-#pragma unroll
-      for (int i = 0; i < INFLIGHT; i++) {
-        const int e = e0 + i * stride;
-        if (e >= total) continue;
-        float y[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-          const int wrap = col0 + j >= W, c = col0 + j - (wrap ? W : 0), f = f0 + r0 + i * rows_per_step + wrap;
-          y[j] += phi_k[f] * va[c];
-          acc[j] += phi_q[f] * y[j];
-        }
-        if (vec) *reinterpret_cast<float4*>(out + e) = make_float4(y[0], y[1], y[2], y[3]);
-        else out[e] = y[0], out[e + 1] = y[1], out[e + 2] = y[2], out[e + 3] = y[3];
-      }
+      float* dst = e < split ? out1 + e : out2 + (e - split);
+      if (vec) *reinterpret_cast<float4*>(dst) = make_float4(y[0], y[1], y[2], y[3]);
+      else dst[0] = y[0], dst[1] = y[1], dst[2] = y[2], dst[3] = y[3];
     }
-  };
-  sweep(p.state_in.first + bh * DK * W, p.state_out.first + bh * DK * W, DK, 1);
-  sweep(p.state_in.second + bh * FEAT2 * W, p.state_out.second + bh * FEAT2 * W, FEAT2, 1 + DK);
+#pragma unroll
+    for (int i = 0; i < INFLIGHT; i++) cur[i] = next[i];
+  }
   float zero = 0.f;
   if (tid < W) {  // the zeroth moment: one row
     zero = p.state_in.zeroth[bh * W + tid] + va[tid];
