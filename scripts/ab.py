@@ -127,7 +127,9 @@ def main() -> int:
         for test in tests_of.get(n, []):
             rc = run_in(tree, ["-m", "pytest", "-q", "-x", test], out / f"test_{n}.log")
             print(f"{n}: {test} rc={rc}", flush=True)
-            if rc != 0:
+            if rc != 0:  # the why, here: the device call may not bring every log back
+                failed = [x for x in (out / f"test_{n}.log").read_text().splitlines() if x.strip()]
+                print("\n".join(f"  | {x[:300]}" for x in failed[-12:]), flush=True)
                 trees.pop(n)  # a variant that fails its tests is not timed
                 break
     base_runs, variants = [], {}
