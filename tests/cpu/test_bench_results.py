@@ -62,7 +62,10 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
 
     monkeypatch.setattr(ab, "run_in", fake_run)
     root = tmp_path / "trees"
-    patches = Path(__file__).resolve().parents[2] / "ab"
+    patches = tmp_path / "patches"  # each adds a file of its own (the repo's ab/ patches come and go)
+    patches.mkdir()
+    for name in ("based-step-pipelined", "mask-branchless"):
+        (patches / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
     monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'based-step-pipelined.patch'}=based",
                                       f"{patches / 'mask-branchless.patch'}=attn_decode",
                                       "--test-for", "based-step-pipelined=tests/gpu/test_based.py",
@@ -72,6 +75,8 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     assert benches == [("BASE", "based"), ("based-step-pipelined", "based"), ("BASE", "based"),
                        ("BASE", "attn_decode"), ("mask-branchless", "attn_decode"), ("BASE", "attn_decode")]
     assert ("based-step-pipelined", "-m", "-q") in ran  # its test ran before its bench
+    assert (root / "mask-branchless" / "mask-branchless.txt").exists()  # each variant's tree has its patch
+    assert not (root / "mask-branchless" / "based-step-pipelined.txt").exists()
     report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
     assert "based-step-pipelined / base" in report[0] and "mask-branchless / base" in report[0]
     assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.800"]
