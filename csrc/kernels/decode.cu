@@ -13,6 +13,28 @@ using namespace kittens;
 
 namespace {
 
+// Slot i of the work list: ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned key range of sequence b
+// that intersects its visible keys [lo_b, L_b) (empty past the sequence's chunks).
+struct slot_rule {
+  const int* cache_seqlens;
+  int hkv, max_splits, max_context, q_len, window_left, chunk_tokens;
+
+  __device__ __forceinline__ int4 operator()(int i) const {
+    const int per_seq = hkv * max_splits, b = i / per_seq, s = i % max_splits;
+    const int length = min(max(cache_seqlens[b], 0), max_context);
+    const int lo = window_left >= 0 ? max(length - q_len - window_left, 0) : 0;
+    const int first = lo / chunk_tokens, chunks = ceil_div(length, chunk_tokens) - first;
+    const int aligned = (first + s) * chunk_tokens;
+    const bool used = s < chunks;
+    return make_int4(b, (i / max_splits) % hkv, used ? max(aligned, lo) : 0,
+                     used ? min(aligned + chunk_tokens, length) : 0);
+  }
+};
+
+__host__ __device__ inline slot_rule slot_rule_of(const tk::attn_decode_problem& p) {
+  return {p.cache_seqlens, p.hkv, p.max_splits, p.max_context, p.q_len, p.window_left, p.chunk_tokens};
+}
+
 template <typename T, int D>
 struct attn_decode_split {
   static constexpr int consumers = 1, ROWS = 64, PIECE = 16;
@@ -27,12 +49,17 @@ struct attn_decode_split {
     pages_gl k, v;
     const T* q;
     long q_strides[3];
-    const int *cache_seqlens, *block_table, *work_items, *cta_start;
+    const int *cache_seqlens, *block_table, *cta_start;
+    int* work_items;  // read, or in direct mode written (see finish)
     long bt_stride;
     gl<float, 1, RUNTIME, RUNTIME, D> partial_out;  // (1, items, rows, D)
     float* partial_lse;
     int q_len, group, block_size, causal, window_left, window_right;
     float scale_log2, softcap;
+    // direct: as many CTAs as slots, CTA c runs slot c, found from the slot rule and written to work_items
+    // for the merge (no schedule kernel: small batches, where it is a third of the latency).
+    bool direct;
+    slot_rule slots;
   };
   struct input_block { kv_tile k, v; };
   struct scratch_block { q_tile q; };
@@ -47,11 +74,12 @@ struct attn_decode_split {
   struct task_t { int item, b, h, start, end, base, len, iters; };
 
   __device__ static int2 task_range(const globals& g, int cta, int) {
+    if (g.direct) return {cta, cta + 1};
     return {g.cta_start[cta], g.cta_start[cta + 1]};
   }
   __device__ static int task_count(const globals&) { return 0; }  // unused: task_range decides
   __device__ static task_t task(const globals& g, int id, int) {
-    const int4 w = reinterpret_cast<const int4*>(g.work_items)[id];
+    const int4 w = g.direct ? g.slots(id) : reinterpret_cast<const int4*>(g.work_items)[id];
     task_t t{id, w.x, w.y, w.z, w.w, w.z & ~(PIECE - 1), g.cache_seqlens[w.x], 0};
     t.iters = w.w > w.z ? ceil_div(w.w - t.base, KV) : 0;  // empty slots carry no work
     return t;
@@ -144,6 +172,8 @@ struct attn_decode_split {
 
   __device__ static void finish(consumer_state& s, scratch_block&, const globals& g, const task_t& t, int) {
     wgmma::fence_operand(s.p);
+    if (g.direct && warpgroup::thread() == 0)
+      reinterpret_cast<int4*>(g.work_items)[t.item] = make_int4(t.b, t.h, t.start, t.end);
     if (t.iters > 0) {
       const int rows = g.q_len * g.group;
       row_vec lse;
@@ -175,17 +205,11 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
     typename reduce_t::TempStorage reduce;
   } storage;
   __shared__ long long carry, total_cost;
-  const int n = p.max_items, per_seq = p.hkv * p.max_splits, ctas = p.num_ctas;
+  const int n = p.max_items, ctas = p.num_ctas;
+  const slot_rule slot = slot_rule_of(p);
   auto item = [&](int i, int4& w) -> long long {  // the slot's key range and cost
-    const int b = i / per_seq, s = i % p.max_splits;
-    const int length = min(max(p.cache_seqlens[b], 0), p.max_context);
-    const int lo = p.window_left >= 0 ? max(length - p.q_len - p.window_left, 0) : 0;
-    const int first = lo / p.chunk_tokens, chunks = ceil_div(length, p.chunk_tokens) - first;
-    const int aligned = (first + s) * p.chunk_tokens;
-    const bool used = s < chunks;
-    w = make_int4(b, (i / p.max_splits) % p.hkv, used ? max(aligned, lo) : 0,
-                  used ? min(aligned + p.chunk_tokens, length) : 0);
-    return used ? (w.w - w.z) + p.item_overhead : 0;
+    w = slot(i);
+    return w.w > w.z ? (w.w - w.z) + p.item_overhead : 0;
   };
   // Pass 1: the total cost (and the work items themselves).
   long long mine = 0;
@@ -291,9 +315,13 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.window_right = p.window_right;
   g.scale_log2 = p.softmax_scale * tk::attn::LOG2E;
   g.softcap = p.softcap;
-  build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
-  TK_LAUNCH_CHECK();
-  lcsf::launch<K>(g, p.num_ctas, stream);
+  g.slots = slot_rule_of(p);
+  g.direct = p.max_items <= p.num_ctas;  // one slot per CTA: nothing to balance
+  if (!g.direct) {
+    build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
+    TK_LAUNCH_CHECK();
+  }
+  lcsf::launch<K>(g, g.direct ? p.max_items : p.num_ctas, stream);
   merge_partials<T><<<p.batch * p.hkv * rows, D, p.max_splits * sizeof(float), stream>>>(p, group);
   TK_LAUNCH_CHECK();
 }
