@@ -189,9 +189,9 @@ struct attn_prefill {
                          (left >= 0 && col0 < row0 + 15 + offset - left) ||
                          (right >= 0 && col0 + KV - 1 > row0 + offset + right);
     if (partial) {
-      mask(att, att, row0, col0, [=](int r, int c) {
-        return c < lk && (!causal || c <= r + offset) && (left < 0 || c >= r + offset - left) &&
-               (right < 0 || c <= r + offset + right);
+      mask(att, att, row0, col0, [=](int r, int c) {  // & not &&: no branch per element
+        return (c < lk) & (!causal | (c <= r + offset)) & ((left < 0) | (c >= r + offset - left)) &
+               ((right < 0) | (c <= r + offset + right));
       }, -INFINITY);
     }
     const float es = exp_scale(g);

@@ -20,9 +20,9 @@ struct visibility {
 
   __device__ __forceinline__ int query(int row) const { return Packed ? row / per_query : row; }
   __device__ __forceinline__ bool operator()(int row, int c) const {
-    const int q = query(row);
-    return c < lk && (!causal || c <= q + offset) && (left < 0 || c >= q + offset - left) &&
-           (right < 0 || c <= q + offset + right);
+    const int q = query(row);  // & not &&: evaluated per score element, so no branch per element
+    return (c < lk) & (!causal | (c <= q + offset)) & ((left < 0) | (c >= q + offset - left)) &
+           ((right < 0) | (c <= q + offset + right));
   }
   // Does the tile [row0, row0 + rows) x [col0, col0 + cols) hide any key from any of its rows?
   __device__ __forceinline__ bool partial(int row0, int rows, int col0, int cols) const {
