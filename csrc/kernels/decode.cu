@@ -246,17 +246,24 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
   }
 }
 
+// merge_partials' weights in shared memory: whole float4s, because ptxas reads the unrolled sum's tail as one
+// 16-byte load (compute-sanitizer flagged the over-read). The padding holds -inf: never a weight.
+constexpr int merge_weights(int max_splits) { return (max_splits + 3) / 4 * 4; }
+
 // The LSE merge of a segment's items: one block per (sequence, kv head, row), a thread per column. The
 // items' LSEs are staged in shared memory once; then each thread sums its column over the items.
+
 template <typename T>
 __global__ void merge_partials(tk::attn_decode_problem p, int group) {
-  extern __shared__ float weight[];  // [max_splits]
+  extern __shared__ float weight[];  // [merge_weights(max_splits)]
   __shared__ float row_max, row_sum;
   const int rows = p.q_len * group, seg = blockIdx.x / rows, r = blockIdx.x % rows;
   const int b = seg / p.hkv, h = seg % p.hkv, first = seg * p.max_splits;
-  for (int s = threadIdx.x; s < p.max_splits; s += blockDim.x) {
+  for (int s = threadIdx.x; s < merge_weights(p.max_splits); s += blockDim.x) {
+    weight[s] = -INFINITY;
+    if (s >= p.max_splits) continue;
     const int4 w = reinterpret_cast<const int4*>(p.work_items)[first + s];
-    weight[s] = w.w > w.z ? p.partial_lse[long(first + s) * rows + r] : -INFINITY;
+    if (w.w > w.z) weight[s] = p.partial_lse[long(first + s) * rows + r];
   }
   __syncthreads();
   if (threadIdx.x < 32) {
@@ -322,7 +329,7 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
     TK_LAUNCH_CHECK();
   }
   lcsf::launch<K>(g, g.direct ? p.max_items : p.num_ctas, stream);
-  merge_partials<T><<<p.batch * p.hkv * rows, D, p.max_splits * sizeof(float), stream>>>(p, group);
+  merge_partials<T><<<p.batch * p.hkv * rows, D, merge_weights(p.max_splits) * sizeof(float), stream>>>(p, group);
   TK_LAUNCH_CHECK();
 }
 
