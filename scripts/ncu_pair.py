@@ -2,6 +2,8 @@
 
     python3 scripts/ncu_pair.py prefill [B H N D] [--causal]   # tk's prefill kernel vs FA3's, same inputs
     python3 scripts/ncu_pair.py based_step                     # tk's Based decode step vs a copy of its bytes
+    python3 scripts/ncu_pair.py ssd                            # tk's Mamba-2 scan: the bench's paper case
+                                                               # (n4096, dstate 64) vs its serving case (dstate 128)
 
 Each side runs under `ncu --csv --page details` on its own process (skipping warm-up launches) and the table
 lists every metric both report, so what limits tk (tensor pipe, issue stalls, memory, occupancy) reads off
@@ -42,6 +44,32 @@ for _ in range(4):
 torch.cuda.synchronize()
 """
 
+SSD = """
+import random
+import sys
+import torch
+sys.path.insert(0, {repo!r})
+import tk_backend
+paper = {side!r} == "paper"
+heads, headdim, dstate, chunk = (16, 64, 64, 64) if paper else (80, 64, 128, 256)
+batch, seqlen = (16, 4096) if paper else (1, 8192)
+x = torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
+dt = torch.randn(batch, seqlen, heads, device="cuda") * 0.5 - 1.0
+A, D, dt_bias = -torch.rand(heads, device="cuda") * 2 - 0.1, torch.randn(heads, device="cuda"), torch.zeros(heads, device="cuda")
+B, C = (torch.randn(batch, seqlen, 1, dstate, device="cuda", dtype=torch.bfloat16) * 0.3 for _ in range(2))
+if paper:
+    call = lambda: tk_backend.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True)
+else:  # the bench's first serving batch: 8 sequences of random lengths (seed 0)
+    cuts = sorted(random.Random(0).sample(range(1, seqlen), 7))
+    cu = torch.tensor([0, *cuts, seqlen], device="cuda", dtype=torch.int32)
+    states = torch.randn(8, heads, headdim, dstate, device="cuda") * 0.1
+    call = lambda: tk_backend.mamba_chunk_scan_varlen(x[0], dt[0], A, B[0], C[0], cu, chunk_size=chunk, D=D,
+                                                      dt_bias=dt_bias, initial_states=states, dt_softplus=True)
+for _ in range(4):
+    call()
+torch.cuda.synchronize()
+"""
+
 
 def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> dict[str, str]:
     ncu = ["ncu", "--csv", "--page", "details", "--kernel-name-base", "demangled", "-k", f"regex:{kernel_regex}",
@@ -62,7 +90,7 @@ def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["prefill", "based_step"])
+    parser.add_argument("what", choices=["prefill", "based_step", "ssd"])
     parser.add_argument("shape", nargs="*", type=int, default=[16, 16, 4096, 128])
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
@@ -72,6 +100,9 @@ def main() -> int:
         base = [sys.executable, "scripts/profile_prefill.py", *map(str, args.shape), "--iters", "1"]
         base += ["--causal"] if args.causal else []
         sides = {"tk": (base + ["--impl", "tk"], "attn_prefill"), "fa3": (base + ["--impl", "fa3"], "flash")}
+    elif args.what == "ssd":
+        sides = {s: ([sys.executable, "-c", SSD.format(repo=str(REPO), side=s)], "ssd_scan_kernel")
+                 for s in ("paper", "serving")}
     else:
         sides = {s: ([sys.executable, "-c", BASED_STEP.format(repo=str(REPO), side=s)], regex)
                  for s, regex in (("tk", "based_step"), ("copy", "direct_copy"))}

@@ -2,6 +2,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from benchlib import Row, merged_rows  # noqa: E402
 
@@ -113,3 +115,30 @@ def test_profile_serve_summary_splits_gpu_time(tmp_path):
     assert abs(summary["gpu_idle_ms"] - 0.025) < 1e-12
     assert summary["attention_ms"] == 0.015 and summary["other_kernels_ms"] == 0.03
     assert summary["top"][0] == ("sm90_xmma_gemm_bf16", 0.03)
+
+
+@pytest.mark.parametrize("side", ["paper", "serving"])
+def test_ncu_pair_ssd_snippet_calls_the_scan_as_its_signature_allows(side, monkeypatch):
+    """The ncu driver's SSD snippet, run on the CPU with the two scan entry points replaced by signature checks."""
+    import inspect
+    import types
+
+    import ncu_pair
+    import torch
+
+    import tk_backend
+
+    calls = []
+
+    def checked(real):
+        def call(*args, **kwargs):
+            inspect.signature(real).bind(*args, **kwargs)
+            calls.append(real.__name__)
+        return call
+
+    fake = types.SimpleNamespace(mamba_chunk_scan_combined=checked(tk_backend.mamba_chunk_scan_combined),
+                                 mamba_chunk_scan_varlen=checked(tk_backend.mamba_chunk_scan_varlen))
+    monkeypatch.setitem(sys.modules, "tk_backend", fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    exec(ncu_pair.SSD.format(repo=".", side=side).replace('"cuda"', '"cpu"'), {})
+    assert calls == [("mamba_chunk_scan_combined" if side == "paper" else "mamba_chunk_scan_varlen")] * 4
