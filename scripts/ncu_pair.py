@@ -2,6 +2,7 @@
 
     python3 scripts/ncu_pair.py prefill [B H N D] [--causal]   # tk's prefill kernel vs FA3's, same inputs
     python3 scripts/ncu_pair.py based_step                     # tk's Based decode step vs a copy of its bytes
+    python3 scripts/ncu_pair.py gemm [M N K]                   # tk's GEMM vs cuBLAS (torch.matmul), bf16
     python3 scripts/ncu_pair.py ssd                            # tk's Mamba-2 scan: the bench's paper case
                                                                # (n4096, dstate 64) vs its serving case (dstate 128)
 
@@ -70,6 +71,19 @@ for _ in range(4):
 torch.cuda.synchronize()
 """
 
+GEMM = """
+import sys
+import torch
+sys.path.insert(0, {repo!r})
+import tk_backend
+m, n, k = {shape!r}
+a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+for _ in range(4):
+    tk_backend.gemm(a, b) if {side!r} == "tk" else torch.matmul(a, b)
+torch.cuda.synchronize()
+"""
+
 
 def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> dict[str, str]:
     ncu = ["ncu", "--csv", "--page", "details", "--kernel-name-base", "demangled", "-k", f"regex:{kernel_regex}",
@@ -90,7 +104,7 @@ def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["prefill", "based_step", "ssd"])
+    parser.add_argument("what", choices=["prefill", "based_step", "ssd", "gemm"])
     parser.add_argument("shape", nargs="*", type=int, default=[16, 16, 4096, 128])
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
@@ -100,6 +114,10 @@ def main() -> int:
         base = [sys.executable, "scripts/profile_prefill.py", *map(str, args.shape), "--iters", "1"]
         base += ["--causal"] if args.causal else []
         sides = {"tk": (base + ["--impl", "tk"], "attn_prefill"), "fa3": (base + ["--impl", "fa3"], "flash")}
+    elif args.what == "gemm":
+        shape = tuple(args.shape[:3]) if len(args.shape) == 3 else (4096, 4096, 4096)
+        sides = {s: ([sys.executable, "-c", GEMM.format(repo=str(REPO), side=s, shape=shape)], regex)
+                 for s, regex in (("tk", "gemm_kernel"), ("cublas", "nvjet|xmma|gemm|cutlass"))}
     elif args.what == "ssd":
         sides = {s: ([sys.executable, "-c", SSD.format(repo=str(REPO), side=s)], "ssd_scan_kernel")
                  for s in ("paper", "serving")}

@@ -142,3 +142,24 @@ def test_ncu_pair_ssd_snippet_calls_the_scan_as_its_signature_allows(side, monke
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     exec(ncu_pair.SSD.format(repo=".", side=side).replace('"cuda"', '"cpu"'), {})
     assert calls == [("mamba_chunk_scan_combined" if side == "paper" else "mamba_chunk_scan_varlen")] * 4
+
+
+def test_ncu_pair_gemm_snippet_calls_gemm_as_its_signature_allows(monkeypatch):
+    import inspect
+    import types
+
+    import ncu_pair
+    import torch
+
+    import tk_backend
+
+    calls = []
+
+    def gemm(*args, **kwargs):
+        inspect.signature(tk_backend.gemm).bind(*args, **kwargs)
+        calls.append(args[0].shape)
+
+    monkeypatch.setitem(sys.modules, "tk_backend", types.SimpleNamespace(gemm=gemm))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    exec(ncu_pair.GEMM.format(repo=".", side="tk", shape=(64, 32, 16)).replace('"cuda"', '"cpu"'), {})
+    assert calls == [(64, 16)] * 4
