@@ -28,9 +28,16 @@ import tk_backend  # noqa: E402
 PAGE, D, HKV = 16, 128, 8
 # (low, high, representative) per dimension; every combination is one bucket.
 BATCH = [(1, 1, 1), (2, 16, 8), (17, 96, 64), (97, 4096, 256)]
-CONTEXT = [(1, 2048, 1024), (2049, 16384, 8192), (16385, 1 << 20, 32768)]
+CONTEXT = [(1, 2048, 1024), (2049, 16384, 8192), (16385, 65536, 32768), (65537, 1 << 20, 131072)]
 GROUP = [(1, 4, 4), (5, 64, 8)]
 CHUNKS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+
+
+KV_BYTES_CAP = 48 << 30  # K and V of a representative batch: the long-context buckets test fewer sequences
+
+
+def representative_batch(batch: int, ctx: int) -> int:
+    return max(1, min(batch, KV_BYTES_CAP // (ctx * HKV * D * 2 * 2)))
 
 
 def tune_bucket(batch: int, ctx: int, group: int) -> tuple[int, dict]:
@@ -72,6 +79,7 @@ def main() -> int:
     buckets, measured = [], []
     shapes = [(b, c, g) for b in BATCH for c in CONTEXT for g in GROUP]
     for (b_lo, b_hi, b), (c_lo, c_hi, c), (g_lo, g_hi, g) in shapes[:2] if args.quick else shapes:
+        b = representative_batch(b, c)
         chunk, times = tune_bucket(b, c, g)
         print(f"batch {b:4d} ctx {c:6d} group {g}: chunk {chunk:6d}   {times}", flush=True)
         buckets.append({"batch": [b_lo, b_hi], "max_context": [c_lo, c_hi], "q_len": [1, 16], "group": [g_lo, g_hi],

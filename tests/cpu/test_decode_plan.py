@@ -249,3 +249,23 @@ def test_per_cta_closed_form_equals_the_work_list(seed):
     cta_start = ws.cta_start.tolist()
     for c in range(plan.num_ctas):
         assert decode_plan.cta_range(plan, lengths, c) == (cta_start[c], cta_start[c + 1]), (c, lengths, plan)
+
+
+def test_tune_buckets_tile_every_dimension_and_fit_in_memory():
+    """scripts/tune.py's buckets cover each dimension without gaps or overlaps, and its representative batches'
+    K/V fit the GPU (the long-context bucket tests fewer sequences than its batch range starts at)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tune.py"
+    spec = importlib.util.spec_from_file_location("tune", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    for ranges in (tune.BATCH, tune.CONTEXT, tune.GROUP):
+        assert ranges[0][0] == 1
+        for (lo, hi, rep), (next_lo, _, _) in zip(ranges, ranges[1:]):
+            assert lo <= rep <= hi and next_lo == hi + 1
+    for _, _, b in tune.BATCH:
+        for _, _, c in tune.CONTEXT:
+            rb = tune.representative_batch(b, c)
+            assert 1 <= rb <= b and rb * c * tune.HKV * tune.D * 4 <= tune.KV_BYTES_CAP
