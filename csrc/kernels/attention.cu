@@ -7,16 +7,15 @@
 // (masks only on tiles that need them), then O += P V with P straight from registers. The two consumers
 // take turns on the tensor cores (ping-pong), and each overlaps its softmax with its previous P V.
 #include <algorithm>
-#include <cfloat>
 #include "../kittens/kittens.cuh"
 #include "attention.h"
+#include "attention_common.cuh"
 
 using namespace kittens;
 
 namespace {
 
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
+using tk::attn::LOG2E;
 
 template <typename T, int D>
 struct attn_prefill {
@@ -82,7 +81,7 @@ struct attn_prefill {
     s.v_prev = nullptr;
     if (wg == 1) warpgroup::arrive_at(TURN + 0, BOTH);  // consumer 0 goes first
   }
-  __device__ static float exp_scale(const globals& g) { return g.softcap > 0.f ? LOG2E : g.scale_log2; }
+  __device__ static tk::attn::scoring scoring(const globals& g) { return {g.scale_log2, g.softcap}; }
 
   __device__ static int task_count(const globals& g) { return g.q_blocks * g.batch * g.hq; }
   // Task order, L2-aware: (sequence, head) pairs go in groups of heads_per_group, whose K/V fit in L2 together;
@@ -178,32 +177,9 @@ struct attn_prefill {
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
-    if (g.softcap > 0.f) {
-      const float pre = g.scale_log2 / LOG2E / g.softcap, cap = g.softcap;
-      map(att, att, [pre, cap](float x) { return cap * tanhf(x * pre); });
-    }
-    const int row0 = t.qb * BQ + wg * QROWS + warpgroup::warp() * 16, col0 = (t.first + it) * KV;
-    const int offset = t.lk - t.lq, left = g.window_left, right = g.window_right, lk = t.lk;
-    const bool causal = g.causal;
-    const bool partial = col0 + KV > lk || (causal && col0 + KV - 1 > row0 + offset) ||
-                         (left >= 0 && col0 < row0 + 15 + offset - left) ||
-                         (right >= 0 && col0 + KV - 1 > row0 + offset + right);
-    if (partial) {
-      mask(att, att, row0, col0, [=](int r, int c) {  // & not &&: no branch per element
-        return (c < lk) & (!causal | (c <= r + offset)) & ((left < 0) | (c >= r + offset - left)) &
-               ((right < 0) | (c <= r + offset + right));
-      }, -INFINITY);
-    }
-    const float es = exp_scale(g);
-    row_vec m_new, base, sum;
-    row_max(m_new, att, s.m);
-    map(base, m_new, [es](float m) { return m == -INFINITY ? 0.f : m * es; });  // a row masked so far: 0
-    map(s.rescale, s.m, base, [es](float m, float b) { return fast_exp2(m * es - b); });
-    map_row(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
-    row_sum(sum, att);
-    map(s.l, s.l, s.rescale, [](float l, float r) { return l * r; });
-    add(s.l, s.l, sum);
-    copy(s.m, m_new);
+    const tk::attn::visibility<> vis{t.lk, t.lk - t.lq, g.window_left, g.window_right, 1, bool(g.causal)};
+    tk::attn::online_softmax(att, s.m, s.l, s.rescale, scoring(g), vis,
+                             t.qb * BQ + wg * QROWS + warpgroup::warp() * 16, (t.first + it) * KV);
   }
 
   // The last tile's P V, issued while its stage is still held. The tile's rows past the sequence's end hold
@@ -226,11 +202,8 @@ struct attn_prefill {
 
   __device__ static void write_output(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t,
                                       int wg, int r0) {
-    row_vec inv, lse;
-    map(inv, s.l, [](float l) { return l > 0.f ? 1.f / l : 0.f; });
-    mul_row(s.o, s.o, inv);
-    const float es = exp_scale(g);
-    map(lse, s.m, s.l, [es](float m, float l) { return l > 0.f ? (m * es + log2f(l)) * LN2 : -INFINITY; });
+    row_vec lse;
+    tk::attn::finalize(s.o, lse, s.m, s.l, scoring(g));
     // lse: lanes 0, 4, ... hold rows g and g + 8 of each warp's 16
     if (laneid() % 4 == 0) {
 #pragma unroll

@@ -27,8 +27,8 @@ struct visibility {
   // Does the tile [row0, row0 + rows) x [col0, col0 + cols) hide any key from any of its rows?
   __device__ __forceinline__ bool partial(int row0, int rows, int col0, int cols) const {
     const int q_lo = query(row0), q_hi = query(row0 + rows - 1), c_hi = col0 + cols - 1;
-    return c_hi >= lk || (causal && c_hi > q_lo + offset) || (left >= 0 && col0 < q_hi + offset - left) ||
-           (right >= 0 && c_hi > q_lo + offset + right);
+    return (c_hi >= lk) | (causal & (c_hi > q_lo + offset)) | ((left >= 0) & (col0 < q_hi + offset - left)) |
+           ((right >= 0) & (c_hi > q_lo + offset + right));
   }
 };
 

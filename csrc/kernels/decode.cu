@@ -252,7 +252,6 @@ constexpr int merge_weights(int max_splits) { return (max_splits + 3) / 4 * 4; }
 
 // The LSE merge of a segment's items: one block per (sequence, kv head, row), a thread per column. The
 // items' LSEs are staged in shared memory once; then each thread sums its column over the items.
-
 template <typename T>
 __global__ void merge_partials(tk::attn_decode_problem p, int group) {
   extern __shared__ float weight[];  // [merge_weights(max_splits)]
