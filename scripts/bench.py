@@ -42,7 +42,7 @@ def main() -> int:
         print(f"not written to {args.out}: TK_BENCH_IMPLS times a subset of the impls, and the table keeps "
               "every case's tk and peers from one run")
     elif not args.quick:
-        merge_results(args.out, families, rows)
+        merge_results(args.out, rows)
         print(f"wrote {args.out}")
     print_table(rows)
     return 0

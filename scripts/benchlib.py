@@ -113,8 +113,8 @@ def merged_rows(old: dict, rows: Sequence[Row], commit: str) -> list[dict]:
     return kept + [{**r.as_json(), "commit": commit} for r in rows]
 
 
-def merge_results(path: pathlib.Path, families: Sequence[str], rows: Sequence[Row]) -> dict:
-    """Write path's results with this run's rows merged in (merged_rows); `families` is kept for the callers."""
+def merge_results(path: pathlib.Path, rows: Sequence[Row]) -> dict:
+    """Write path's results with this run's rows merged in (merged_rows)."""
     old = json.loads(path.read_text()) if path.exists() else {"results": []}
     commit = commit_of_tree()
     props = torch.cuda.get_device_properties(0)

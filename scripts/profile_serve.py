@@ -34,20 +34,11 @@ ATTENTION = ("tk::", "attn", "attention", "flash", "decode_", "merge_", "build_s
 
 
 def worker(model: str, backend: str, tp: int, case: str, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    vocab = len(AutoTokenizer.from_pretrained(model))
-    llm = LLM(model=model, attention_backend=backend, tensor_parallel_size=tp, seed=0, max_model_len=2048,
-              max_num_seqs=256, gpu_memory_utilization=0.6, enable_prefix_caching=False, enforce_eager=False,
-              profiler_config={"profiler": "torch", "torch_profiler_dir": str(out_dir),
-                               "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
-                               "ignore_frontend": True})
-    count, length, new = serve.CASES[case]
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in serve._prompts(count, length, vocab, seed=7)]
-    params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+    llm, vocab = serve.engine(model, backend, tp, profiler_config={
+        "profiler": "torch", "torch_profiler_dir": str(out_dir), "torch_profiler_with_stack": False,
+        "torch_profiler_use_gzip": False, "ignore_frontend": True})
+    prompts, params = serve.case_inputs(case, vocab)
     llm.generate(prompts, params, use_tqdm=False)  # warm: this case's shapes, graphs, allocator
     llm.start_profile()
     start = time.perf_counter()
@@ -116,10 +107,7 @@ def main() -> int:
         worker(args.model, args.backend, args.tp, args.case, args.out)
         return 0
 
-    sys.path.insert(0, str(REPO / "examples"))
-    from build_tiny_model import build
-
-    model = build(Path("/tmp") / f"tk_serve_{serve.PRESET}", preset=serve.PRESET)
+    model = serve.build_model()
     env = vllm_env()
     report = {}
     for impl in args.impls.split(","):

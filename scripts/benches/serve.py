@@ -38,21 +38,45 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(16, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def worker(model: str, backend: str, tp: int, out: str, cases: list[str], repeats: int = REPEATS) -> None:
+def build_model() -> Path:
+    """The bench's model directory (built once, then reused)."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from build_tiny_model import build
+
+    return build(Path(tempfile.gettempdir()) / f"tk_serve_{PRESET}", preset=PRESET)
+
+
+def engine(model: str, backend: str, tp: int, **extra):
+    """An LLM with the bench's settings (CUDA graphs on, no prefix caching), and the model's vocabulary size."""
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
+
+    llm = LLM(model=model, attention_backend=backend, tensor_parallel_size=tp, seed=0, max_model_len=2048,
+              max_num_seqs=256, gpu_memory_utilization=0.6, enable_prefix_caching=False, enforce_eager=False,
+              **extra)
+    return llm, len(AutoTokenizer.from_pretrained(model))
+
+
+def case_inputs(case: str, vocab: int):
+    """A case's prompts (the same random tokens for every backend) and sampling parameters."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    vocab = len(AutoTokenizer.from_pretrained(model))
-    llm = LLM(model=model, attention_backend=backend, tensor_parallel_size=tp, seed=0, max_model_len=2048,
-              max_num_seqs=256, gpu_memory_utilization=0.6, enable_prefix_caching=False, enforce_eager=False)
+    count, length, new = CASES[case]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(count, length, vocab, seed=7)]
+    return prompts, SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+
+
+def worker(model: str, backend: str, tp: int, out: str, cases: list[str], repeats: int = REPEATS) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, vocab = engine(model, backend, tp)
     warm = [TokensPrompt(prompt_token_ids=p) for p in _prompts(16, 64, vocab, seed=1)]
     llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0), use_tqdm=False)
     results = {}
     for case in cases:
-        count, length, new = CASES[case]
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(count, length, vocab, seed=7)]
-        params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+        prompts, params = case_inputs(case, vocab)
         runs, tokens = [], set()
         for _ in range(repeats):  # the first run also meets this case's batch shapes for the first time
             start = time.perf_counter()
@@ -73,13 +97,10 @@ def run(quick: bool = False) -> list:
     except ImportError as exc:
         print(f"serve: skipped (vLLM is not importable: {exc}; GPU host: source /tmp/vllm_site/env.sh)", flush=True)
         return []
-    sys.path.insert(0, str(REPO / "examples"))
-    from build_tiny_model import build
-
     tp = int(os.environ.get("TK_SERVE_TP", "1"))
     suffix = f"_tp{tp}" if tp > 1 else ""
     cases = list(CASES)[1:] if quick else list(CASES)
-    model = build(Path(tempfile.gettempdir()) / f"tk_serve_{PRESET}", preset=PRESET)
+    model = build_model()
     env = vllm_env()
     only = [i for i in os.environ.get("TK_SERVE_IMPLS", "").split(",") if i]
     unknown = sorted(set(only) - set(IMPLS))
