@@ -117,13 +117,12 @@ def test_profile_serve_summary_splits_gpu_time(tmp_path):
     assert summary["top"][0] == ("sm90_xmma_gemm_bf16", 0.03)
 
 
-@pytest.mark.parametrize("side", ["paper", "serving"])
-def test_ncu_pair_ssd_snippet_calls_the_scan_as_its_signature_allows(side, monkeypatch):
-    """The ncu driver's SSD snippet, run on the CPU with the two scan entry points replaced by signature checks."""
+def _run_snippet_on_cpu(snippet: str, entry_points: list[str], monkeypatch) -> list[tuple[str, tuple]]:
+    """Run an ncu_pair snippet on the CPU with tk_backend's named entry points replaced by checks that the call
+    binds to the real signature; returns (entry point, shape of the first argument) per call."""
     import inspect
     import types
 
-    import ncu_pair
     import torch
 
     import tk_backend
@@ -133,33 +132,29 @@ def test_ncu_pair_ssd_snippet_calls_the_scan_as_its_signature_allows(side, monke
     def checked(real):
         def call(*args, **kwargs):
             inspect.signature(real).bind(*args, **kwargs)
-            calls.append(real.__name__)
+            calls.append((real.__name__, tuple(args[0].shape)))
         return call
 
-    fake = types.SimpleNamespace(mamba_chunk_scan_combined=checked(tk_backend.mamba_chunk_scan_combined),
-                                 mamba_chunk_scan_varlen=checked(tk_backend.mamba_chunk_scan_varlen))
+    fake = types.SimpleNamespace(**{name: checked(getattr(tk_backend, name)) for name in entry_points})
     monkeypatch.setitem(sys.modules, "tk_backend", fake)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    exec(ncu_pair.SSD.format(repo=".", side=side).replace('"cuda"', '"cpu"'), {})
-    assert calls == [("mamba_chunk_scan_combined" if side == "paper" else "mamba_chunk_scan_varlen")] * 4
+    exec(snippet.replace('"cuda"', '"cpu"'), {})
+    return calls
+
+
+@pytest.mark.parametrize("side", ["paper", "serving"])
+def test_ncu_pair_ssd_snippet_calls_the_scan_as_its_signature_allows(side, monkeypatch):
+    """The ncu driver's SSD snippet, run on the CPU with the two scan entry points replaced by signature checks."""
+    import ncu_pair
+
+    calls = _run_snippet_on_cpu(ncu_pair.SSD.format(repo=".", side=side),
+                                ["mamba_chunk_scan_combined", "mamba_chunk_scan_varlen"], monkeypatch)
+    assert [name for name, _ in calls] == [("mamba_chunk_scan_combined" if side == "paper"
+                                            else "mamba_chunk_scan_varlen")] * 4
 
 
 def test_ncu_pair_gemm_snippet_calls_gemm_as_its_signature_allows(monkeypatch):
-    import inspect
-    import types
-
     import ncu_pair
-    import torch
 
-    import tk_backend
-
-    calls = []
-
-    def gemm(*args, **kwargs):
-        inspect.signature(tk_backend.gemm).bind(*args, **kwargs)
-        calls.append(args[0].shape)
-
-    monkeypatch.setitem(sys.modules, "tk_backend", types.SimpleNamespace(gemm=gemm))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    exec(ncu_pair.GEMM.format(repo=".", side="tk", shape=(64, 32, 16)).replace('"cuda"', '"cpu"'), {})
-    assert calls == [(64, 16)] * 4
+    calls = _run_snippet_on_cpu(ncu_pair.GEMM.format(repo=".", side="tk", shape=(64, 32, 16)), ["gemm"], monkeypatch)
+    assert calls == [("gemm", (64, 16))] * 4
