@@ -1,5 +1,6 @@
 // torch.library CUDA implementations of tk::ssd_scan and tk::ssd_update (schemas in tk_backend/mamba.py,
 // which validates first; these checks are the last line before a launch).
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -106,6 +107,9 @@ void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, co
   p.dt_softplus = dt_softplus;
   p.dt_min = float(dt_min);
   p.dt_max = float(dt_max);
+  // Sized by the shapes only (graph-safe); the caching allocator serves it from the current stream's pool.
+  at::Tensor workspace = at::empty({tk::ssd_scan_workspace(num_seqs)}, x.options().dtype(at::kInt));
+  p.workspace = workspace.data_ptr<int>();
   tk::ssd_scan(p, chk::sm_count(x.get_device()), c10::cuda::getCurrentCUDAStream());
 }
 

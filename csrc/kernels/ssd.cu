@@ -11,6 +11,7 @@
 // The producer streams C, B (shared by both consumers: same group) and the two x blocks through a TMA ring;
 // dt is read by the consumers one chunk ahead. The result does not depend on the chunk length (it is exact
 // arithmetic regrouped), so every chunk_size runs as 64-token chunks; chunks never straddle sequences.
+#include <cub/block/block_radix_sort.cuh>
 #include "../kittens/kittens.cuh"
 #include "ssd.h"
 
@@ -20,9 +21,12 @@ namespace {
 
 constexpr float LOG2E = 1.4426950408889634f;
 
-template <typename T, int N>
+// Dynamic: a ragged batch, whose tasks differ in length: CTAs claim them (lcsf's dynamic tasks). A fixed batch
+// keeps the stride order: there the claims only add an atomic round trip per task (measured 7% at n=1024).
+template <typename T, int N, bool Dynamic>
 struct ssd_scan_kernel {
   static constexpr int L = 64, P = 64, consumers = 2, stages = N == 64 ? 4 : 3, release_lag = 0;
+  static constexpr bool dynamic = Dynamic;
   using bc_tile = st<T, L, N>;
   using x_tile = st<T, L, P>;
   using y_piece = st<T, 16, P>;      // one warp's rows of a chunk's output, on its way out
@@ -42,6 +46,8 @@ struct ssd_scan_kernel {
     const float *dt, *A, *dt_bias, *D;
     long dt_strides[3], D_strides[2];
     const int* cu_seqlens;
+    const int* order;  // varlen: sequences longest first (null: as given)
+    int* task_counter;  // lcsf's dynamic tasks
     long seqlen;
     int num_seqs, groups, heads_per_group, pblocks, units, pairs;
     bool has_z, has_init, has_final, softplus;
@@ -54,8 +60,13 @@ struct ssd_scan_kernel {
   struct scratch_block {
     state_tile S[consumers];
     y_piece y[consumers][WARPGROUP_WARPS];
-    float dA[consumers][WARPGROUP_WARPS][L];  // each warp keeps its own copy: no cross-warp barrier
-    float dt[consumers][WARPGROUP_WARPS][L];
+    // Per token j of the chunk, each warp keeping its own copy (no cross-warp barrier): dA_j; g_j =
+    // log2(dt_j) - dA_j, so the decay mask's 2^(dA_i - dA_j) dt_j is 2^(dA_i + g_j); and the state update's
+    // weight 2^(dA_last - dA_j) dt_j = 2^(dA_last + g_j).
+    float dA[consumers][WARPGROUP_WARPS][L];
+    float g[consumers][WARPGROUP_WARPS][L];
+    float w[consumers][WARPGROUP_WARPS][L];
+    float D[consumers][P];  // this task's D for the consumer's head-dim columns
   };
   struct consumer_state {
     rt_fl<16, N> S;  // rows 16w..16w+15 of this block's state (p), all of dstate
@@ -73,7 +84,8 @@ struct ssd_scan_kernel {
   __device__ static int task_count(const globals& g) { return g.num_seqs * g.groups * g.pairs; }
   __device__ static task_t task(const globals& g, int id, int) {
     task_t t;
-    t.seq = id / (g.groups * g.pairs);
+    const int rank = id / (g.groups * g.pairs);  // longest first when ordered: the long chains start early
+    t.seq = g.order ? g.order[rank] : rank;
     t.group = id / g.pairs % g.groups;
     const int pair = id % g.pairs;
     if (g.cu_seqlens) {
@@ -118,9 +130,10 @@ struct ssd_scan_kernel {
     }
   }
   // dt' = clamp(softplus?(dt + bias)) (0 past the sequence end) and dA = cumsum(dt' A) * log2(e) of chunk
-  // `it` into this warp's arrays; prefetches the next chunk's dt. Returns dA of the chunk's last token.
+  // `it`, then the per-token factors of the chunk's products (see scratch_block) into this warp's arrays;
+  // prefetches the next chunk's dt. Returns dA of the chunk's last token.
   __device__ static float chunk_decay(consumer_state& s, const globals& g, const task_t& t, int it, int c,
-                                      float* dA, float* dtv) {
+                                      float* dA, float* gj, float* wj) {
     const int head = t.head_of(c);
     const float A = g.A[head] * LOG2E, bias = g.dt_bias ? g.dt_bias[head] : 0.f;
     float d[2];
@@ -139,13 +152,18 @@ struct ssd_scan_kernel {
       const float n = __shfl_up_sync(0xffffffffu, incl, o);
       if (laneid() >= o) incl += n;
     }
+    const float last = __shfl_sync(0xffffffffu, incl, 31);
+    const float da[2] = {incl - pair + a0, incl};
     __syncwarp();  // the previous chunk's readers are done
-    dA[2 * laneid()] = incl - pair + a0;
-    dA[2 * laneid() + 1] = incl;
-    dtv[2 * laneid()] = d[0];
-    dtv[2 * laneid() + 1] = d[1];
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const float ge = fast_log2(d[e]) - da[e];  // -inf where dt' = 0: both factors are then exactly 0
+      dA[2 * laneid() + e] = da[e];
+      gj[2 * laneid() + e] = ge;
+      wj[2 * laneid() + e] = fast_exp2(last + ge);
+    }
     __syncwarp();
-    return __shfl_sync(0xffffffffu, incl, 31);
+    return last;
   }
 
   // ---- a task's state ----------------------------------------------------------------------------------
@@ -159,6 +177,9 @@ struct ssd_scan_kernel {
     initial_state(s, g, t, c);
     warpgroup::store(sc.S[c].ref(), s.S);
     fence_async_shared();
+    if (g.D)  // read by every chunk's epilogue: once per task
+      for (int j = warpgroup::thread(); j < P; j += WARPGROUP_THREADS)
+        sc.D[c][j] = g.D[t.head_of(c) * g.D_strides[0] + (t.col_of(c) + j) * g.D_strides[1]];
     fetch_dt(s, g, t, 0, c);
     warpgroup::sync(1 + c);
     compute(s, in, sc, g, t, 0, c);
@@ -167,9 +188,10 @@ struct ssd_scan_kernel {
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& sc, const globals& g,
                                  const task_t& t, int it, int c) {
     const int w = warpgroup::warp();
-    float* dA = sc.dA[c][w];
-    float* dtv = sc.dt[c][w];
-    const float dA_last = chunk_decay(s, g, t, it, c, dA, dtv);
+    const float* dA = sc.dA[c][w];
+    const float* gj = sc.g[c][w];
+    const float* wj = sc.w[c][w];
+    const float dA_last = chunk_decay(s, g, t, it, c, sc.dA[c][w], sc.g[c][w], sc.w[c][w]);
 
     rt_fl<16, L> att;
     rt_fl<16, P> y;
@@ -180,7 +202,7 @@ struct ssd_scan_kernel {
 
     const int row0 = 16 * w;
     map_at(att, att, row0, 0,
-           [=](float v, int i, int j) { return j <= i ? v * fast_exp2(dA[i] - dA[j]) * dtv[j] : 0.f; });
+           [=](float v, int i, int j) { return j <= i ? v * fast_exp2(dA[i] + gj[j]) : 0.f; });
     map_at(y, y, row0, 0, [=](float v, int i, int) { return v * fast_exp2(dA[i]); });
     rt<T, 16, L> p;
     copy(p, att);
@@ -189,7 +211,7 @@ struct ssd_scan_kernel {
     // 2^(dA_last - dA_j) dt_j.
     rt<T, 16, L> xt;
     warpgroup::load_t(xt, in.x[c].ref());
-    map_at(xt, xt, 0, 0, [=](float v, int, int j) { return v * fast_exp2(dA_last - dA[j]) * dtv[j]; });
+    map_at(xt, xt, 0, 0, [=](float v, int, int j) { return v * wj[j]; });
     warpgroup::mma_AB(s.S, xt, in.B);
     warpgroup::mma_async_wait<0>();
 
@@ -202,13 +224,11 @@ struct ssd_scan_kernel {
   __device__ static void epilogue(rt_fl<16, P>& y, input_block& in, scratch_block& sc, const globals& g,
                                   const task_t& t, int it, int c) {
     const int w = warpgroup::warp(), head = t.head_of(c), row = t.start + it * L;
-    if (g.D) {  // + D x, x straight from the shared tile (no register tile beside y and S)
-      const float* Dh = g.D + head * g.D_strides[0] + t.col_of(c) * g.D_strides[1];
-      const long dp = g.D_strides[1];
-      const auto xs = in.x[c].ref();
-      map_at(y, y, 16 * w, 0, [=](float v, int i, int j) {
-        return v + Dh[j * dp] * convert<float>(detail::ld_shared<T>(xs.addr(i, j)));
-      });
+    if (g.D) {  // + D x: this warp's rows of x by ldmatrix, D from the task's copy in shared memory
+      rt<T, 16, P> xr;
+      warpgroup::load(xr, in.x[c].ref());
+      const float* Dc = sc.D[c];
+      map_at(y, y, xr, 0, 0, [=](float v, float xv, int, int j) { return v + Dc[j] * xv; });
     }
     if (g.has_z) {  // * silu(z), z element by element (an optional path)
       const T* zp = g.z.at({.b = t.b, .d = head, .row = row, .col = t.col_of(c)});
@@ -243,9 +263,31 @@ struct ssd_scan_kernel {
   }
 };
 
-template <typename T, int N>
+// Varlen scans: sequence indices by length, longest first (stable), so that the dynamic task feed starts the
+// long chains of chunks early and fills the gaps with short ones, instead of leaving a long sequence to the end.
+constexpr int ORDER_THREADS = 256, ORDER_ITEMS = 8, ORDER_CAPACITY = ORDER_THREADS * ORDER_ITEMS;
+
+__global__ void __launch_bounds__(ORDER_THREADS) order_sequences(const int* cu_seqlens, int num_seqs, int* order) {
+  using sort_t = cub::BlockRadixSort<int, ORDER_THREADS, ORDER_ITEMS, int>;
+  __shared__ typename sort_t::TempStorage storage;
+  int len[ORDER_ITEMS], seq[ORDER_ITEMS];
+#pragma unroll
+  for (int i = 0; i < ORDER_ITEMS; i++) {  // blocked arrangement: thread t holds items t * ITEMS + i
+    const int s = threadIdx.x * ORDER_ITEMS + i;
+    seq[i] = s;
+    len[i] = s < num_seqs ? cu_seqlens[s + 1] - cu_seqlens[s] : -1;  // past the end: sorts last
+  }
+  sort_t(storage).SortDescending(len, seq);
+#pragma unroll
+  for (int i = 0; i < ORDER_ITEMS; i++) {
+    const int r = threadIdx.x * ORDER_ITEMS + i;
+    if (r < num_seqs) order[r] = seq[i];
+  }
+}
+
+template <typename T, int N, bool Dynamic>
 void run_scan(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
-  using K = ssd_scan_kernel<T, N>;
+  using K = ssd_scan_kernel<T, N, Dynamic>;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   typename K::globals g{};
   const long b = p.batch, h = p.heads, l = p.seqlen, hd = p.headdim, gr = p.groups;
@@ -268,6 +310,15 @@ void run_scan(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
   g.D_strides[0] = p.D_strides[0];
   g.D_strides[1] = p.D_strides[1];
   g.cu_seqlens = p.cu_seqlens;
+  if constexpr (Dynamic) {  // claimed tasks, longest sequence first where sortable
+    g.task_counter = p.workspace;
+    TK_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, sizeof(int), stream));
+    if (p.num_seqs <= ORDER_CAPACITY) {
+      g.order = p.workspace + 1;
+      order_sequences<<<1, ORDER_THREADS, 0, stream>>>(p.cu_seqlens, p.num_seqs, p.workspace + 1);
+      TK_LAUNCH_CHECK();
+    }
+  }
   g.seqlen = p.seqlen;
   g.num_seqs = p.num_seqs;
   g.groups = p.groups;
@@ -287,8 +338,9 @@ void run_scan(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
 
 template <typename T>
 void scan_dtype(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
-  if (p.dstate == 64) run_scan<T, 64>(p, num_sms, stream);
-  else run_scan<T, 128>(p, num_sms, stream);
+  const bool ragged = p.cu_seqlens && p.num_seqs > 1;
+  if (p.dstate == 64) ragged ? run_scan<T, 64, true>(p, num_sms, stream) : run_scan<T, 64, false>(p, num_sms, stream);
+  else ragged ? run_scan<T, 128, true>(p, num_sms, stream) : run_scan<T, 128, false>(p, num_sms, stream);
 }
 
 // ---- decode: one token per batch row ----------------------------------------------------------------

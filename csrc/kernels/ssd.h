@@ -35,7 +35,10 @@ struct ssd_scan_problem {
   long final_strides[3];
   bool dt_softplus;
   float dt_min, dt_max;
+  int* workspace;  // int32 [ssd_scan_workspace(num_seqs)], device: the task counter, then the sequence order
 };
+
+inline long ssd_scan_workspace(long num_seqs) { return 1 + num_seqs; }
 
 void ssd_scan(const ssd_scan_problem& p, int num_sms, cudaStream_t stream);
 

@@ -74,6 +74,28 @@ def test_varlen_initial_and_final_states(n, g, seed):
     assert_close(finals, ref_finals, rel=1e-2, atol=5e-2, what=f"{what} finals")
 
 
+@pytest.mark.parametrize("num_seqs", [300, 2100])  # the scan orders up to 2048 sequences longest first
+def test_varlen_many_skewed_sequences(num_seqs, seed):
+    """One long sequence among many short ones, in the middle of the batch: the dynamically claimed tasks
+    (longest first when the batch is sortable, as given past 2048 sequences) must each still see their own
+    sequence, initial state and final state."""
+    rng = random.Random(seed)
+    h, p, g, n = 8, 64, 1, 64
+    lengths = [rng.choice([0, 1, 2, 3, 65]) for _ in range(num_seqs)]
+    lengths[num_seqs // 2] = 640
+    inp = _inputs(1, sum(lengths), h, p, g, n)
+    cu = _cu(lengths)
+    state0 = torch.randn(num_seqs, h, p, n, device="cuda") * 0.5
+    out = torch.full_like(inp["x"], float("nan"))
+    _, finals = tk_backend.mamba_chunk_scan_combined(**inp, chunk_size=256, initial_states=state0, cu_seqlens=cu,
+                                                     dt_softplus=True, return_varlen_states=True, out=out)
+    torch.cuda.synchronize()
+    ref_y, ref_finals = reference.mamba_chunk_scan(**inp, initial_states=state0, dt_softplus=True, cu_seqlens=cu)
+    what = f"varlen num_seqs={num_seqs} seed={seed}"
+    assert_close(out, ref_y, rel=2e-2, atol=5e-2, what=f"{what} y")
+    assert_close(finals, ref_finals, rel=1e-2, atol=5e-2, what=f"{what} finals")
+
+
 def test_varlen_packed_form_matches_batched_form(seed):
     lengths = [70, 5, 260]
     h, p, g, n = 8, 128, 2, 64

@@ -21,6 +21,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+__device__ __forceinline__ float fast_log2(float x) {  // lg2.approx: log2(0) = -inf, so fast_exp2 of it is 0
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // ---- element-wise --------------------------------------------------------------------------------
 // dst = f(src) element by element, in fp32, then converted to dst's type.
@@ -51,6 +56,27 @@ __device__ __forceinline__ void map(D& dst, const A& a, const B& b, F f) {
       for (int k = 0; k < 4; k++) {
         const float2 x = convert<float2>(a.data[i][j][k]), y = convert<float2>(b.data[i][j][k]);
         dst.data[i][j][k] = convert<typename D::T2>(float2{f(x.x, y.x), f(x.y, y.y)});
+      }
+}
+
+// dst = f(a, b, row, col), positions as in map_at below.
+template <register_tile D, register_tile A, register_tile B, typename F>
+__device__ __forceinline__ void map_at(D& dst, const A& a, const B& b, int row0, int col0, F f) {
+  static_assert(D::rows == A::rows && D::cols == A::cols && A::rows == B::rows && A::cols == B::cols &&
+                std::is_same_v<typename D::layout, typename A::layout> &&
+                std::is_same_v<typename A::layout, typename B::layout>,
+                "map_at: tiles must have the same shape and layout");
+  using Fr = frag<typename A::layout>;
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int j = 0; j < D::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const float2 x = convert<float2>(a.data[i][j][k]), y = convert<float2>(b.data[i][j][k]);
+        const int r = row0 + 16 * i, c = col0 + 16 * j;
+        dst.data[i][j][k] = convert<typename D::T2>(float2{f(x.x, y.x, r + Fr::row(k, 0), c + Fr::col(k, 0)),
+                                                           f(x.y, y.y, r + Fr::row(k, 1), c + Fr::col(k, 1))});
       }
 }
 

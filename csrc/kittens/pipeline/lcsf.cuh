@@ -28,6 +28,12 @@
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
 //   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
 //
+// Dynamic tasks: a policy may set `static constexpr bool dynamic = true` (no clusters) and give its globals an
+// `int* task_counter`, zero at launch (the launcher's stream memset). Each CTA then starts on task `cta` and
+// claims the next one (ctas + an atomic count) whenever its producer can start loading it, and hands the id
+// to its consumers through shared memory: CTAs whose tasks finish early take more, so tasks of unequal
+// length (ragged sequences) balance themselves instead of following a fixed stride.
+//
 // Clusters: a policy may set `static constexpr int cluster = 2` (or 4). Its CTAs then walk the work list
 // together (task ids count clusters, and K::task maps (id, rank) to each CTA's own work item), and a stage
 // is reloaded only once every CTA of the cluster has freed it, so loads may multicast into all of them.
@@ -63,6 +69,10 @@ template <typename K> consteval int release_lag() {
   if constexpr (requires { K::release_lag; }) return K::release_lag;
   else return 1;
 }
+template <typename K> consteval bool dynamic_tasks() {
+  if constexpr (requires { K::dynamic; }) return K::dynamic;
+  else return false;
+}
 template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 24 : 40;
 // What is left of the 64K-register file, split over the consumers (at most 240 a thread).
 template <kernel_policy K> constexpr int consumer_registers =
@@ -77,15 +87,24 @@ template <kernel_policy K> constexpr size_t shared_bytes = sizeof(shared_layout<
 template <kernel_policy K>
 __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ typename K::globals g) {
   extern __shared__ uint8_t smem_raw[];
-  auto& smem = *reinterpret_cast<shared_layout<K>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Aligned by an offset from smem_raw itself, not by masking a cast integer: the pointer keeps its shared
+  // address space, so the kernels' plain C++ accesses to their scratch compile to LDS/STS, not generic LD/ST.
+  const uint32_t misalign = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u;
+  auto& smem = *reinterpret_cast<shared_layout<K>*>(smem_raw + ((1024u - misalign) & 1023u));
   __shared__ semaphore full[K::stages], empty[K::stages];
+  // Dynamic tasks: the producer's claimed ids on their way to the consumers (a ring of 2).
+  __shared__ int feed_id[2];
+  __shared__ semaphore feed_full[2], feed_empty[2];
 
   constexpr int cluster = cluster_size<K>();
+  static_assert(!dynamic_tasks<K>() || cluster == 1, "dynamic tasks are claimed per CTA: no clusters");
   if (threadIdx.x == 0) {
     for (int s = 0; s < K::stages; s++) {
       init_semaphore(full[s], 1);                                          // the producer's expect_bytes
       init_semaphore(empty[s], cluster * K::consumers * WARPGROUP_WARPS);  // every consumer warp of the cluster
     }
+    if constexpr (dynamic_tasks<K>())
+      for (int s = 0; s < 2; s++) init_semaphore(feed_full[s], 1), init_semaphore(feed_empty[s], K::consumers * WARPGROUP_WARPS);
     if constexpr (requires { K::init_scratch(smem.scratch); }) K::init_scratch(smem.scratch);
     fence_semaphore_init();
   }
@@ -107,13 +126,26 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     warpgroup::decrease_registers<producer_registers<K>>();
     if (warpgroup::thread() == 0) {
       int stage = 0, phase = 0;
-      for (int id = first; id < num_tasks; id += step) {
+      auto load_task = [&](int id) {
         const typename K::task_t t = K::task(g, id, rank);
         for (int it = 0; it < t.iters; it++) {
           wait(empty[stage], phase ^ 1);  // a fresh ring passes at once
           K::load(smem.ring[stage], g, t, it, full[stage]);
           if (++stage == K::stages) stage = 0, phase ^= 1;
         }
+      };
+      if constexpr (dynamic_tasks<K>()) {
+        int slot = 0, feed_phase = 0;
+        for (int id = first;; id = ctas + atomicAdd(g.task_counter, 1)) {
+          wait(feed_empty[slot], feed_phase ^ 1);
+          feed_id[slot] = id;  // id >= num_tasks tells the consumers to stop
+          arrive(feed_full[slot]);
+          if (++slot == 2) slot = 0, feed_phase ^= 1;
+          if (id >= num_tasks) break;
+          load_task(id);
+        }
+      } else {
+        for (int id = first; id < num_tasks; id += step) load_task(id);
       }
     }
   } else {  // consumer `role`
@@ -136,7 +168,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       compute_it();
       warpgroup::mma_async_wait<release_lag<K>()>();  // lag 1: the previous stage's products are done with it
     };
-    for (int id = first; id < num_tasks; id += step) {
+    auto run_task = [&](int id) {
       const typename K::task_t t = K::task(g, id, rank);
       int previous = -1;
       // The first stage is peeled off so that the steady-state body has no branch around its wgmma
@@ -164,6 +196,20 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       warpgroup::mma_async_wait<0>();
       if (release_lag<K>() == 1 && previous >= 0) release(previous);
       K::finish(state, smem.scratch, g, t, role);
+    };
+    if constexpr (dynamic_tasks<K>()) {
+      for (int slot = 0, feed_phase = 0;;) {
+        wait(feed_full[slot], feed_phase);
+        // Lane 0's copy for the whole warp: the compiler then treats the task as warp-uniform (as with the
+        // stride order), not as a per-thread value with every address derived from it.
+        const int id = __shfl_sync(0xffffffffu, feed_id[slot], 0);  // also: the warp has read the slot
+        if (laneid() == 0) arrive(feed_empty[slot]);
+        if (++slot == 2) slot = 0, feed_phase ^= 1;
+        if (id >= num_tasks) break;
+        run_task(id);
+      }
+    } else {
+      for (int id = first; id < num_tasks; id += step) run_task(id);
     }
     if (warpgroup::thread() == 0) tma::store_wait<0>();  // shared memory must outlive pending stores
   }

@@ -1,0 +1,45 @@
+"""What ptxas made of the built extension's kernels (its SASS; no GPU needed)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import tk_backend
+
+GENERIC_ACCESS = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?(LD|ST)\.E")
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump") or (shutil.which("nvcc") and str(Path(shutil.which("nvcc")).with_name("cuobjdump")))
+    if found and Path(found).exists():
+        return found
+    try:  # triton ships one
+        import triton
+
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        return str(bundled) if bundled.exists() else None
+    except ImportError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict[str, list[str]]:
+    tool = _cuobjdump()
+    ext = sorted(Path(tk_backend.__file__).parent.glob("_C*.so"))
+    if tool is None or not ext:
+        pytest.skip("needs the built extension and cuobjdump (CUDA toolkit or triton's copy)")
+    text = subprocess.run([tool, "-sass", str(ext[0])], capture_output=True, text=True, timeout=600, check=True).stdout
+    return {body.split("\n", 1)[0]: body.splitlines() for body in re.split(r"\n\s*Function : ", text)[1:]}
+
+
+def test_pipeline_kernels_reach_shared_memory_without_generic_loads_and_stores(kernels):
+    """lcsf carves its shared memory so that the address space survives: a kernel's plain C++ accesses to its
+    scratch compile to LDS/STS. Generic LD/ST (which resolve the space at run time) mean it was lost."""
+    pipeline = {name: lines for name, lines in kernels.items() if "lcsf6kernel" in name}
+    assert len(pipeline) >= 10, sorted(kernels)[:20]  # gemm, prefill, decode, Based, SSD instantiations
+    generic = {name[:120]: sum(bool(GENERIC_ACCESS.match(x)) for x in lines) for name, lines in pipeline.items()}
+    assert not any(generic.values()), {k: v for k, v in generic.items() if v}
