@@ -18,17 +18,21 @@ __device__ __forceinline__ uint64_t descriptor(const R& t, int kstep) {
   static_assert(sizeof(T) == 2, "wgmma descriptors here are for 16-bit inputs");
   constexpr uint64_t swizzle_code = R::swizzle_bytes == 128 ? 1 : R::swizzle_bytes == 64 ? 2 : 3;
   constexpr uint64_t sbo = 8 * R::swizzle_bytes;  // next group of 8 rows (K-major) / 8 k-rows (MN-major)
-  uint32_t start;
+  uint32_t offset;  // bytes from the tile's start: a multiple of 16, so it adds to the encoded address
   uint64_t lbo;
   if constexpr (KMajor) {
     const int k = kstep * 16;
-    start = t.base + (k / R::chunk_cols) * R::chunk_stride + (k % R::chunk_cols) * 2;
+    offset = (k / R::chunk_cols) * R::chunk_stride + (k % R::chunk_cols) * 2;
     lbo = 1;  // unused for swizzled K-major layouts
   } else {
-    start = t.base + kstep * 16 * R::swizzle_bytes;
+    offset = kstep * 16 * R::swizzle_bytes;
     lbo = R::chunk_stride;  // next chunk of chunk_cols along N
   }
-  return (uint64_t((start & 0x3FFFF) >> 4)) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (swizzle_code << 62);
+  // The start address field (bits 0-13) is the shared address over 16. Shared addresses stay below 2^18, so
+  // encoding the tile's start once and adding offset / 16 per k-step is exact, and the k-steps of an unrolled
+  // product cost one add each rather than a re-encode (shift and mask) each.
+  const uint32_t start = ((t.base & 0x3FFFF) >> 4) + offset / 16;
+  return uint64_t(start) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (swizzle_code << 62);
 }
 
 // Accumulator register O of a warp's 16 x N fp32 tile, in the order wgmma lists them.

@@ -121,7 +121,9 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   } else {
     num_tasks = K::task_count(g);
   }
-  const int role = warpgroupid();
+  // Broadcast from lane 0: the compiler then knows role is warp-uniform, so what derives from it (a consumer's
+  // shared-memory addresses, its wgmma descriptors) stays in uniform registers instead of moving over per use.
+  const int role = __shfl_sync(0xffffffffu, warpgroupid(), 0);
   if (role == K::consumers) {  // producer
     warpgroup::decrease_registers<producer_registers<K>>();
     if (warpgroup::thread() == 0) {
