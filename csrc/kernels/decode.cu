@@ -60,6 +60,13 @@ struct attn_decode_split {
     // for the merge (no schedule kernel: small batches, where it is a third of the latency).
     bool direct;
     slot_rule slots;
+    // single: one item per (sequence, kv head) (max_splits 1), so finish writes out and lse itself and the
+    // merge kernel is not launched.
+    bool single;
+    T* out;
+    long out_strides[3];
+    float* lse;  // [batch, hq, q_len]
+    int hq;
   };
   struct input_block { kv_tile k, v; };
   struct scratch_block { q_tile q; };
@@ -170,8 +177,35 @@ struct attn_decode_split {
     wgmma::fence_operand(s.p);
   }
 
+  // Row r of the item is query token r / group of head h * group + r % group: out[b, token, head, :] and
+  // lse[b, head, token], each thread writing its two rows' column pairs.
+  __device__ static void write_output(consumer_state& s, const globals& g, const task_t& t) {
+    row_vec lse;
+    tk::attn::finalize(s.o, lse, s.m, s.l, scoring(g));
+    using F = frag<row_l>;
+    const int rows = g.q_len * g.group, r0 = warpgroup::warp() * 16;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      const int r = r0 + F::row(half, 0);  // fragment registers k = half, half + 2: rows +0 / +8
+      if (r >= rows) continue;
+      const int tok = r / g.group, head = t.h * g.group + r % g.group;
+      T* row = g.out + t.b * g.out_strides[0] + tok * g.out_strides[1] + head * g.out_strides[2];
+#pragma unroll
+      for (int j = 0; j < D / 16; j++)
+#pragma unroll
+        for (int k = half; k < 4; k += 2)
+          *reinterpret_cast<packed<T>*>(row + 16 * j + F::col(k, 0)) = convert<packed<T>>(s.o.data[0][j][k]);
+      if (laneid() % 4 == 0) g.lse[(long(t.b) * g.hq + head) * g.q_len + tok] = lse.data[0][half];
+    }
+  }
+
   __device__ static void finish(consumer_state& s, scratch_block&, const globals& g, const task_t& t, int) {
     wgmma::fence_operand(s.p);
+    if (g.single) {  // an empty item (no visible key) finalizes to out 0 and lse -inf, as the merge would
+      write_output(s, g, t);
+      reset(s);
+      return;
+    }
     if (g.direct && warpgroup::thread() == 0)
       reinterpret_cast<int4*>(g.work_items)[t.item] = make_int4(t.b, t.h, t.start, t.end);
     if (t.iters > 0) {
@@ -323,11 +357,17 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.softcap = p.softcap;
   g.slots = slot_rule_of(p);
   g.direct = p.max_items <= p.num_ctas;  // one slot per CTA: nothing to balance
+  g.single = p.max_splits == 1;
+  g.out = static_cast<T*>(p.out);
+  for (int i = 0; i < 3; i++) g.out_strides[i] = p.out_strides[i];
+  g.lse = p.lse;
+  g.hq = p.hq;
   if (!g.direct) {
     build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
     TK_LAUNCH_CHECK();
   }
   lcsf::launch<K>(g, g.direct ? p.max_items : p.num_ctas, stream);
+  if (g.single) return;
   merge_partials<T><<<p.batch * p.hkv * rows, D, merge_weights(p.max_splits) * sizeof(float), stream>>>(p, group);
   TK_LAUNCH_CHECK();
 }

@@ -83,7 +83,7 @@ from tk_backend import attention as _attention, decode_plan  # noqa: E402
 
 @pytest.mark.parametrize("q_len,group", [(1, 4), (1, 8), (4, 8), (16, 4)])
 @pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize("num_splits", [0, 3])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])  # 1: one item a segment, written without the merge
 def test_split_decode(q_len, group, block_size, num_splits, seed):
     rng = random.Random(seed)
     batch, hkv, d = 5, 2, 128
