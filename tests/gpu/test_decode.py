@@ -133,8 +133,10 @@ def test_schedule_kernel_matches_build_work_list(window, seed):
     decode_plan.build_work_list(plan, seqlens, expected)
     torch.cuda.synchronize()
     # Direct mode (a CTA per slot, no schedule kernel): the attention kernel writes the slots for the merge,
-    # and the CTA ranges are not used.
+    # and the CTA ranges are not used. With one split a segment as well there is no merge, and so no slots.
     direct = plan.max_items <= plan.num_ctas
+    if direct and plan.max_splits == 1:
+        return
     assert torch.equal(used.work_items, expected.work_items), f"contexts={contexts} seed={seed} direct={direct}"
     if not direct:
         assert torch.equal(used.cta_start, expected.cta_start), f"contexts={contexts} seed={seed}"
