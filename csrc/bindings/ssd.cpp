@@ -108,8 +108,10 @@ void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, co
   p.dt_min = float(dt_min);
   p.dt_max = float(dt_max);
   // Sized by the shapes only (graph-safe); the caching allocator serves it from the current stream's pool.
-  at::Tensor workspace = at::empty({tk::ssd_scan_workspace(num_seqs)}, x.options().dtype(at::kInt));
-  p.workspace = workspace.data_ptr<int>();
+  const long workspace_ints = tk::ssd_scan_workspace(p.cu_seqlens != nullptr, num_seqs);
+  at::Tensor workspace;
+  if (workspace_ints > 0) workspace = at::empty({workspace_ints}, x.options().dtype(at::kInt));
+  p.workspace = workspace_ints > 0 ? workspace.data_ptr<int>() : nullptr;
   tk::ssd_scan(p, chk::sm_count(x.get_device()), c10::cuda::getCurrentCUDAStream());
 }
 

@@ -338,7 +338,7 @@ void run_scan(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
 
 template <typename T>
 void scan_dtype(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
-  const bool ragged = p.cu_seqlens && p.num_seqs > 1;
+  const bool ragged = tk::ssd_scan_ragged(p.cu_seqlens != nullptr, p.num_seqs);
   if (p.dstate == 64) ragged ? run_scan<T, 64, true>(p, num_sms, stream) : run_scan<T, 64, false>(p, num_sms, stream);
   else ragged ? run_scan<T, 128, true>(p, num_sms, stream) : run_scan<T, 128, false>(p, num_sms, stream);
 }

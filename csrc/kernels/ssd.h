@@ -35,10 +35,13 @@ struct ssd_scan_problem {
   long final_strides[3];
   bool dt_softplus;
   float dt_min, dt_max;
-  int* workspace;  // int32 [ssd_scan_workspace(num_seqs)], device: the task counter, then the sequence order
+  int* workspace;  // int32 [ssd_scan_workspace(...)], device: the task counter, then the sequence order
 };
 
-inline long ssd_scan_workspace(long num_seqs) { return 1 + num_seqs; }
+// A ragged batch (varlen, more than one sequence): its tasks differ in length and are claimed dynamically,
+// which takes a workspace; a fixed batch needs none.
+inline bool ssd_scan_ragged(bool varlen, long num_seqs) { return varlen && num_seqs > 1; }
+inline long ssd_scan_workspace(bool varlen, long num_seqs) { return ssd_scan_ragged(varlen, num_seqs) ? 1 + num_seqs : 0; }
 
 void ssd_scan(const ssd_scan_problem& p, int num_sms, cudaStream_t stream);
 

@@ -84,20 +84,7 @@ __device__ __forceinline__ void map_at(D& dst, const A& a, const B& b, int row0,
 // position-dependent scaling (decay masks, per-column vectors read from memory).
 template <register_tile D, register_tile S, typename F>
 __device__ __forceinline__ void map_at(D& dst, const S& src, int row0, int col0, F f) {
-  static_assert(D::rows == S::rows && D::cols == S::cols && std::is_same_v<typename D::layout, typename S::layout>,
-                "map_at: tiles must have the same shape and layout");
-  using Fr = frag<typename S::layout>;
-#pragma unroll
-  for (int i = 0; i < D::height; i++)
-#pragma unroll
-    for (int j = 0; j < D::width; j++)
-#pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const float2 v = convert<float2>(src.data[i][j][k]);
-        const int r = row0 + 16 * i, c = col0 + 16 * j;
-        dst.data[i][j][k] = convert<typename D::T2>(
-            float2{f(v.x, r + Fr::row(k, 0), c + Fr::col(k, 0)), f(v.y, r + Fr::row(k, 1), c + Fr::col(k, 1))});
-      }
+  map_at(dst, src, src, row0, col0, [=](float v, float, int r, int c) { return f(v, r, c); });
 }
 
 template <register_tile D> __device__ __forceinline__ void fill(D& dst, float v) { map(dst, dst, [v](float) { return v; }); }
