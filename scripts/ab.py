@@ -148,13 +148,18 @@ def main() -> int:
                 base_runs.append(rows(path))
             else:
                 variants.setdefault(label, {}).update(rows(path))
+        if base_runs:  # after each family, so that a call stopped at its limit still brings the finished ones back
+            report = compare(_merged(base_runs), variants)
+            (out / "report.txt").write_text("\n".join(report) + "\n")
     if not base_runs:
         return 1
-    merged = [{k: v for run in base_runs[i::2] for k, v in run.items()} for i in range(min(2, len(base_runs)))]
-    report = compare(merged, variants)
     print("\n".join(report))
-    (out / "report.txt").write_text("\n".join(report) + "\n")
     return 0
+
+
+def _merged(base_runs: list[dict]) -> list[dict]:
+    """Each family's two base runs (before and after its variants) merged across families: [before, after]."""
+    return [{k: v for run in base_runs[i::2] for k, v in run.items()} for i in range(min(2, len(base_runs)))]
 
 
 if __name__ == "__main__":
