@@ -191,13 +191,14 @@ struct ssd_scan_kernel {
     const float* dA = sc.dA[c][w];
     const float* gj = sc.g[c][w];
     const float* wj = sc.w[c][w];
-    const float dA_last = chunk_decay(s, g, t, it, c, sc.dA[c][w], sc.g[c][w], sc.w[c][w]);
 
     rt_fl<16, L> att;
     rt_fl<16, P> y;
     warpgroup::mm_ABt(att, in.C, in.B);
     warpgroup::mm_ABt(y, in.C, sc.S[c]);
-    mul(s.S, s.S, fast_exp2(dA_last));  // S is idle while those run
+    // While those run (they read neither dt nor the decay): the chunk's decay factors, and S's decay.
+    const float dA_last = chunk_decay(s, g, t, it, c, sc.dA[c][w], sc.g[c][w], sc.w[c][w]);
+    mul(s.S, s.S, fast_exp2(dA_last));
     warpgroup::mma_async_wait<0>();
 
     const int row0 = 16 * w;
