@@ -1,4 +1,5 @@
 """bench/results merging: a run replaces the cases it measured (all their impls) and keeps every other row."""
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,6 +84,39 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     assert "based-step-pipelined / base" in report[0] and "mask-branchless / base" in report[0]
     assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.800"]
     assert report[2].split()[:5] == ["attn_decode:c", "1.0000", "1.000", "-", "0.800"]
+
+
+def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypatch):
+    """A call stopped at its limit mid-way (here: the second family's variant bench blows up) keeps the report of
+    the families already timed."""
+    import json
+
+    import ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+
+    def fake_run(tree, args, log, timeout=900):
+        if args[0] == "scripts/bench.py":
+            if args[2] == "attn_decode" and tree != ab.REPO:
+                raise subprocess.TimeoutExpired(args, timeout)
+            ms = 1.0 if tree == ab.REPO else 0.9
+            Path(args[4]).write_text(json.dumps({"results": [{"kernel": args[2], "case": "c", "impl": "tk",
+                                                             "median_ms": ms}]}))
+        return 0
+
+    monkeypatch.setattr(ab, "run_in", fake_run)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    for name in ("first", "second"):
+        (patches / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
+    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'first.patch'}=based",
+                                      f"{patches / 'second.patch'}=attn_decode", "--root", str(tmp_path / "trees")])
+    with pytest.raises(subprocess.TimeoutExpired):
+        ab.main()
+    report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
+    assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.900"]
+    assert len(report) == 2
 
 
 def test_profile_serve_summary_splits_gpu_time(tmp_path):
