@@ -45,10 +45,22 @@ def test_ab_report_gives_variant_over_base_and_the_base_drift():
     assert c2.split()[1:4] == ["2.0000", "1.000", "-"]  # a case the variant did not run
 
 
-def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_path, monkeypatch):
-    """Orchestration with the builds and benches faked: a variant whose name starts with "base" is still a variant."""
+def _write_bench_rows(args: list[str], ms: float) -> None:
+    """What a faked `scripts/bench.py --family FAM --out PATH` run writes: one tk row of case "c"."""
     import json
 
+    Path(args[4]).write_text(json.dumps({"results": [{"kernel": args[2], "case": "c", "impl": "tk", "median_ms": ms}]}))
+
+
+def _patches_adding_a_file_each(folder: Path, names: tuple[str, ...]) -> None:
+    """Patches NAME.patch that each add NAME.txt (the repo's ab/ patches come and go)."""
+    folder.mkdir()
+    for name in names:
+        (folder / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
+
+
+def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_path, monkeypatch):
+    """Orchestration with the builds and benches faked: a variant whose name starts with "base" is still a variant."""
     import ab
 
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -58,17 +70,13 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     def fake_run(tree, args, log, timeout=900):
         ran.append((tree.name if tree != ab.REPO else "BASE", args[0], args[2] if len(args) > 2 else ""))
         if args[0] == "scripts/bench.py":
-            ms = 1.0 if tree == ab.REPO else 0.8
-            Path(args[4]).write_text(json.dumps({"results": [{"kernel": args[2], "case": "c", "impl": "tk",
-                                                             "median_ms": ms}]}))
+            _write_bench_rows(args, 1.0 if tree == ab.REPO else 0.8)
         return 0
 
     monkeypatch.setattr(ab, "run_in", fake_run)
     root = tmp_path / "trees"
-    patches = tmp_path / "patches"  # each adds a file of its own (the repo's ab/ patches come and go)
-    patches.mkdir()
-    for name in ("based-step-pipelined", "mask-branchless"):
-        (patches / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
+    patches = tmp_path / "patches"
+    _patches_adding_a_file_each(patches, ("based-step-pipelined", "mask-branchless"))
     monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'based-step-pipelined.patch'}=based",
                                       f"{patches / 'mask-branchless.patch'}=attn_decode",
                                       "--test-for", "based-step-pipelined=tests/gpu/test_based.py",
@@ -89,8 +97,6 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
 def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypatch):
     """A call stopped at its limit mid-way (here: the second family's variant bench blows up) keeps the report of
     the families already timed."""
-    import json
-
     import ab
 
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -100,16 +106,12 @@ def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypat
         if args[0] == "scripts/bench.py":
             if args[2] == "attn_decode" and tree != ab.REPO:
                 raise subprocess.TimeoutExpired(args, timeout)
-            ms = 1.0 if tree == ab.REPO else 0.9
-            Path(args[4]).write_text(json.dumps({"results": [{"kernel": args[2], "case": "c", "impl": "tk",
-                                                             "median_ms": ms}]}))
+            _write_bench_rows(args, 1.0 if tree == ab.REPO else 0.9)
         return 0
 
     monkeypatch.setattr(ab, "run_in", fake_run)
     patches = tmp_path / "patches"
-    patches.mkdir()
-    for name in ("first", "second"):
-        (patches / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
+    _patches_adding_a_file_each(patches, ("first", "second"))
     monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'first.patch'}=based",
                                       f"{patches / 'second.patch'}=attn_decode", "--root", str(tmp_path / "trees")])
     with pytest.raises(subprocess.TimeoutExpired):
