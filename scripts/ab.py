@@ -48,6 +48,24 @@ def build(tree: Path, jobs: int, log: Path) -> bool:
     return proc.returncode == 0
 
 
+def touches_native(patch: Path) -> bool:
+    """Whether a patch changes what the extension is built from (csrc/, setup.py, pyproject.toml)."""
+    for line in patch.read_text().splitlines():
+        if line.startswith(("--- ", "+++ ")):
+            path = line[4:].split("\t")[0].strip()
+            path = path.split("/", 1)[1] if path.startswith(("a/", "b/")) else path
+            if path.startswith("csrc/") or path in ("setup.py", "pyproject.toml"):
+                return True
+    return False
+
+
+def reuse_extension(tree: Path) -> bool:
+    libs = list(REPO.glob("tk_backend/_C*.so"))
+    for lib in libs:
+        shutil.copy2(lib, tree / "tk_backend" / lib.name)
+    return bool(libs)
+
+
 def run_in(tree: Path, args: list[str], log: Path, timeout: int = 900) -> int:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with open(log, "a") as f:
@@ -110,10 +128,14 @@ def main() -> int:
         name, _, test = spec.partition("=")
         tests_of.setdefault(name, []).append(test)
     trees = {n: prepare(n, p, args.root) for n, p in patches.items()}
-    jobs = max(1, (os.cpu_count() or 16) // (len(trees) + 1))
-    with ThreadPoolExecutor(len(trees) + 1) as pool:
-        built = dict(zip(["base", *trees], pool.map(lambda t: build(t, jobs, out / f"build_{t.name}.log"),
-                                                    [REPO, *trees.values()])))
+    native = [n for n in trees if any(touches_native(p) for p in patches[n])]
+    jobs = max(1, (os.cpu_count() or 16) // (len(native) + 1))
+    with ThreadPoolExecutor(len(native) + 1) as pool:
+        built = dict(zip(["base", *native], pool.map(lambda t: build(t, jobs, out / f"build_{t.name}.log"),
+                                                     [REPO, *(trees[n] for n in native)])))
+    for n in trees:  # a Python-only variant imports the base's extension: no second build
+        if n not in native:
+            built[n] = built["base"] and reuse_extension(trees[n])
     print("built:", built, flush=True)
     trees = {n: t for n, t in trees.items() if built[n]}
     if not built["base"]:

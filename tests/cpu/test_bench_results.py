@@ -59,12 +59,29 @@ def _patches_adding_a_file_each(folder: Path, names: tuple[str, ...]) -> None:
         (folder / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
 
 
+def test_ab_builds_only_variants_that_change_the_extension(tmp_path):
+    import ab
+
+    python_only = tmp_path / "py.patch"
+    python_only.write_text("--- a/tk_backend/schedule.py\n+++ b/tk_backend/schedule.py\n@@ -1 +1 @@\n-a\n+b\n")
+    kernel = tmp_path / "k.patch"
+    kernel.write_text("diff --git a/csrc/kernels/decode.cu b/csrc/kernels/decode.cu\n"
+                      "--- a/csrc/kernels/decode.cu\n+++ b/csrc/kernels/decode.cu\n@@ -1 +1 @@\n-a\n+b\n")
+    new_header = tmp_path / "h.patch"
+    new_header.write_text("--- /dev/null\n+++ b/csrc/kittens/new.cuh\n@@ -0,0 +1 @@\n+a\n")
+    assert not ab.touches_native(python_only)
+    assert ab.touches_native(kernel) and ab.touches_native(new_header)
+    assert all(ab.touches_native(p) for p in Path(ab.REPO, "ab").glob("*.patch")
+               if "+++ b/csrc/" in p.read_text())
+
+
 def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_path, monkeypatch):
     """Orchestration with the builds and benches faked: a variant whose name starts with "base" is still a variant."""
     import ab
 
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
     ran = []
 
     def fake_run(tree, args, log, timeout=900):
@@ -101,6 +118,7 @@ def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypat
 
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
 
     def fake_run(tree, args, log, timeout=900):
         if args[0] == "scripts/bench.py":
