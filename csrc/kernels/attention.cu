@@ -20,9 +20,16 @@ using tk::attn::LOG2E;
 template <typename T, int D>
 struct attn_prefill {
   static constexpr int consumers = 2, QROWS = 64, BQ = consumers * QROWS;
-  // K/V tile rows and ring depth: what shared memory holds next to Q (3 stages at D=256 need 48-row tiles).
-  static constexpr int KV = D == 256 ? 48 : 128;
-  static constexpr int stages = D == 64 ? 4 : 3;
+  // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
+  // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
+  // release order): K_j goes back as soon as S_j = Q K_j^T has run, V_j once P_j V_j has, so the producer
+  // refills a K slot half a tile earlier, and 4 slots of 80 rows (2 K/V tiles) fit where coupled pairs
+  // would have to be 48 rows to keep 3 of them. (Staggered slots with main's tiles measured 1-4% slower at
+  // D=64 and 44% slower paged at D=128, so the smaller head dims keep their pairs.)
+  static constexpr bool staggered = D == 256;
+  static constexpr int KV = D == 256 ? 80 : 128;
+  static constexpr int stages = D == 128 ? 3 : 4;
+  static constexpr int SLOTS = staggered ? 2 : 1;  // ring slots a K/V tile takes
   static constexpr int PAGE_PIECE = 16;
   using q_tile = st<T, QROWS, D>;
   using kv_tile = st<T, KV, D>;
@@ -43,7 +50,18 @@ struct attn_prefill {
     int heads_per_group;  // (sequence, head) pairs whose K/V fit in L2 together (see task)
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
   };
-  struct input_block { kv_tile k, v; };
+  struct kv_pair { kv_tile k, v; };
+  struct kv_slot { kv_tile kv; };  // staggered: K_j in an even slot, V_j in the next
+  using input_block = std::conditional_t<staggered, kv_slot, kv_pair>;
+  // A step's K_j, and the V_j its P_j V_j will use one step later.
+  __device__ static const kv_tile& k_of(const input_block& in) {
+    if constexpr (staggered) return in.kv;
+    else return in.k;
+  }
+  __device__ static const kv_tile* v_of(const input_block& in) {
+    if constexpr (staggered) return &(&in)[1].kv;  // the ring slot after K_j's
+    else return &in.v;
+  }
   struct scratch_block {
     q_tile q[consumers];  // this task's queries; the output is staged here on the way out
     semaphore q_ready[consumers];
@@ -60,6 +78,7 @@ struct attn_prefill {
   };
   struct task_t {
     int b, h, qb, q0, lq, k0, lk, lo, first, iters;  // lo: the first key any of the task's queries sees
+    // iters: ring slots, SLOTS a K/V tile
     bool valid;
   };
   // The two consumers take turns issuing their matrix products (barriers TURN + consumer), so one's
@@ -110,16 +129,22 @@ struct attn_prefill {
     if (g.window_right >= 0) end = min(end, row_hi + offset + g.window_right + 1);
     t.lo = begin;
     t.first = begin / KV;
-    t.iters = (t.valid && end > begin) ? ceil_div(end, KV) - t.first : 0;
+    t.iters = (t.valid && end > begin) ? SLOTS * (ceil_div(end, KV) - t.first) : 0;
     return t;
   }
 
+  // Slot `it`: K/V tile it (a pair), or staggered K (even slot) or V (odd) of tile it / 2.
   __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
-    const int row = (t.first + it) * KV, kv_head = t.h / g.group;
-    expect_bytes(full, 2 * tma::bytes<kv_tile>());
+    const int row = (t.first + it / SLOTS) * KV, kv_head = t.h / g.group;
+    expect_bytes(full, (staggered ? 1 : 2) * tma::bytes<kv_tile>());
     if (!g.paged) {
-      tma::load_async(in.k, g.k, {.d = kv_head, .row = t.k0 + row}, full);
-      tma::load_async(in.v, g.v, {.d = kv_head, .row = t.k0 + row}, full);
+      if constexpr (staggered) {  // a branch, not a select of the layouts: their descriptors stay in parameter space
+        if (it & 1) tma::load_async(in.kv, g.v, {.d = kv_head, .row = t.k0 + row}, full);
+        else tma::load_async(in.kv, g.k, {.d = kv_head, .row = t.k0 + row}, full);
+      } else {
+        tma::load_async(in.k, g.k, {.d = kv_head, .row = t.k0 + row}, full);
+        tma::load_async(in.v, g.v, {.d = kv_head, .row = t.k0 + row}, full);
+      }
       return;
     }
     // Pieces past the end re-read the last one, pieces before the window the window's first: every page read
@@ -130,18 +155,24 @@ struct attn_prefill {
       const int token = max(min(row + s * PAGE_PIECE, last_piece), first_piece);
       const int page = g.block_table[t.b * g.bt_stride + token / g.block_size];
       const coord at{.b = page, .d = kv_head, .row = token % g.block_size};
-      tma::load_async(in.k.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
-      tma::load_async(in.v.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
+      if constexpr (staggered) {
+        if (it & 1) tma::load_async(in.kv.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
+        else tma::load_async(in.kv.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
+      } else {
+        tma::load_async(in.k.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
+        tma::load_async(in.v.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
+      }
     }
   }
 
   // Tile j: S_j = Q K_j^T and the previous tile's O += P_{j-1} V_{j-1} are issued together in this
   // consumer's turn; the softmax of S_j then runs while P_{j-1} V_{j-1} (and the other consumer) compute.
+  // (Staggered, lcsf calls this once a K/V tile, `it` = j, with K_j's slot; V_{j-1}'s is held too.)
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int wg) {
     s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
-    warpgroup::mm_ABt(att, scratch.q[wg], in.k);
+    warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     mul_row(s.o, s.o, s.rescale);  // o is idle here: only S_j is in flight
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::arrive_at(TURN + (1 - wg), BOTH);
@@ -150,7 +181,7 @@ struct attn_prefill {
     warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: p is free
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    s.v_prev = &in.v;
+    s.v_prev = v_of(in);
   }
 
   // A task's first tile: load the queries, then S_0 alone.
@@ -165,13 +196,13 @@ struct attn_prefill {
     s.q_phase ^= 1;
     s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
-    warpgroup::mm_ABt(att, scratch.q[wg], in.k);
+    warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(TURN + (1 - wg), BOTH);
     warpgroup::mma_async_wait<0>();
     softmax(s, att, g, t, 0, wg);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    s.v_prev = &in.v;
+    s.v_prev = v_of(in);
   }
 
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
@@ -182,11 +213,11 @@ struct attn_prefill {
                              t.qb * BQ + wg * QROWS + warpgroup::warp() * 16, (t.first + it) * KV);
   }
 
-  // The last tile's P V, issued while its stage is still held. The tile's rows past the sequence's end hold
+  // The last tile's P V, issued while its V is still held. The tile's rows past the sequence's end hold
   // whatever the page held (paged) or the next sequence's keys: masked (P = 0), but 0 * NaN is NaN in P V,
   // so they are zeroed first. Each consumer clears them before its own P V (both write the same zeros).
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int wg) {
-    const int tail = t.lk - (t.first + t.iters - 1) * KV;
+    const int tail = t.lk - (t.first + t.iters / SLOTS - 1) * KV;
     if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1 + wg);
     mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);

@@ -28,6 +28,14 @@
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
 //   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
 //
+// Staggered pairs: a policy may set `static constexpr bool staggered = true` (release lag 1, an even number of
+// stages). A step's input is then two ring slots loaded one after the other, A_j then B_j (t.iters counts
+// slots: twice the steps; load gets the slot's index), and step j uses A_j and the previous step's B_{j-1}
+// (attention: K_j for S_j = Q K_j^T, V_{j-1} for the previous P V). The consumers wait for A_j and B_{j-1}
+// before compute(j) and free both after it, so A_j goes back a step before B_j: the producer refills it
+// while B_j is still held. compute, compute_first and drain get the step index; A_j's slot is even, so B_j
+// is the next one, `(&in)[1]`. drain runs once the last B has arrived.
+//
 // Dynamic tasks: a policy may set `static constexpr bool dynamic = true` (no clusters) and give its globals an
 // `int* task_counter`, zero at launch (the launcher's stream memset). Each CTA then starts on task `cta` and
 // claims the next one (ctas + an atomic count) whenever its producer can start loading it, and hands the id
@@ -69,6 +77,10 @@ template <typename K> consteval int release_lag() {
   if constexpr (requires { K::release_lag; }) return K::release_lag;
   else return 1;
 }
+template <typename K> consteval bool staggered_pairs() {
+  if constexpr (requires { K::staggered; }) return K::staggered;
+  else return false;
+}
 template <typename K> consteval bool dynamic_tasks() {
   if constexpr (requires { K::dynamic; }) return K::dynamic;
   else return false;
@@ -98,6 +110,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
 
   constexpr int cluster = cluster_size<K>();
   static_assert(!dynamic_tasks<K>() || cluster == 1, "dynamic tasks are claimed per CTA: no clusters");
+  static_assert(!staggered_pairs<K>() || (K::stages % 2 == 0 && release_lag<K>() == 1),
+                "staggered pairs: an even number of stages (A in even slots), release lag 1");
   if (threadIdx.x == 0) {
     for (int s = 0; s < K::stages; s++) {
       init_semaphore(full[s], 1);                                          // the producer's expect_bytes
@@ -170,8 +184,48 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       compute_it();
       warpgroup::mma_async_wait<release_lag<K>()>();  // lag 1: the previous stage's products are done with it
     };
+    // Staggered pairs: step j waits for A_j (slot `stage`) and B_{j-1} (slot b), frees both after compute.
+    auto run_staggered = [&](const typename K::task_t& t) {
+      const int steps = t.iters / 2;
+      int b = 0, b_phase = 0;
+      auto advance = [&] {
+        b = stage + 1, b_phase = phase;  // B_j, for the next step
+        if ((stage += 2) == K::stages) stage = 0, phase ^= 1;
+      };
+      if (steps > 0) {
+        wait(full[stage], phase);
+        if constexpr (requires { K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role); })
+          K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role);
+        else
+          K::compute(state, smem.ring[stage], smem.scratch, g, t, 0, role);
+        warpgroup::mma_async_wait<1>();
+        release(stage);
+        advance();
+      }
+      for (int j = 1; j < steps; j++) {
+        wait(full[stage], phase);
+        wait(full[b], b_phase);
+        K::compute(state, smem.ring[stage], smem.scratch, g, t, j, role);
+        warpgroup::mma_async_wait<1>();
+        release(stage);
+        release(b);
+        advance();
+      }
+      if (steps > 0) {
+        wait(full[b], b_phase);
+        if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
+          K::drain(state, smem.scratch, g, t, role);
+      }
+      warpgroup::mma_async_wait<0>();  // on every path (ptxas injects one before finish otherwise)
+      if (steps > 0) release(b);
+      K::finish(state, smem.scratch, g, t, role);
+    };
     auto run_task = [&](int id) {
       const typename K::task_t t = K::task(g, id, rank);
+      if constexpr (staggered_pairs<K>()) {
+        run_staggered(t);
+        return;
+      }
       int previous = -1;
       // The first stage is peeled off so that the steady-state body has no branch around its wgmma
       // (the compiler cannot tell that `it` is uniform and would serialize the products otherwise).
