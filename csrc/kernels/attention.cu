@@ -150,19 +150,19 @@ struct attn_prefill {
     // Pieces past the end re-read the last one, pieces before the window the window's first: every page read
     // belongs to the sequence (a sliding-window cache may have recycled the pages behind the window).
     const int last_piece = (t.lk - 1) / PAGE_PIECE * PAGE_PIECE, first_piece = t.lo / PAGE_PIECE * PAGE_PIECE;
-#pragma unroll
-    for (int s = 0; s < KV / PAGE_PIECE; s++) {
-      const int token = max(min(row + s * PAGE_PIECE, last_piece), first_piece);
-      const int page = g.block_table[t.b * g.bt_stride + token / g.block_size];
-      const coord at{.b = page, .d = kv_head, .row = token % g.block_size};
-      if constexpr (staggered) {
-        if (it & 1) tma::load_async(in.kv.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
-        else tma::load_async(in.kv.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
-      } else {
-        tma::load_async(in.k.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
-        tma::load_async(in.v.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
-      }
-    }
+    tk::attn::paged_pieces<KV / PAGE_PIECE>(
+        g.block_table + t.b * g.bt_stride, g.block_size,
+        [&](int s) { return max(min(row + s * PAGE_PIECE, last_piece), first_piece); },
+        [&](int s, int page, int at_row) {
+          const coord at{.b = page, .d = kv_head, .row = at_row};
+          if constexpr (staggered) {
+            if (it & 1) tma::load_async(in.kv.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
+            else tma::load_async(in.kv.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
+          } else {
+            tma::load_async(in.k.template row_block<PAGE_PIECE>(s), g.k_pages, at, full);
+            tma::load_async(in.v.template row_block<PAGE_PIECE>(s), g.v_pages, at, full);
+          }
+        });
   }
 
   // Tile j: S_j = Q K_j^T and the previous tile's O += P_{j-1} V_{j-1} are issued together in this

@@ -95,14 +95,13 @@ struct attn_decode_split {
   __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
     expect_bytes(full, 2 * tma::bytes<kv_tile>());
     const int row = t.base + it * KV, last = (t.end - 1) & ~(PIECE - 1);  // pieces past the end re-read the last
-#pragma unroll
-    for (int s = 0; s < KV / PIECE; s++) {
-      const int token = min(row + s * PIECE, last);
-      const int page = g.block_table[t.b * g.bt_stride + token / g.block_size];
-      const coord at{.b = page, .d = t.h, .row = token % g.block_size};
-      tma::load_async(in.k.template row_block<PIECE>(s), g.k, at, full);
-      tma::load_async(in.v.template row_block<PIECE>(s), g.v, at, full);
-    }
+    tk::attn::paged_pieces<KV / PIECE>(g.block_table + t.b * g.bt_stride, g.block_size,
+                                       [&](int s) { return min(row + s * PIECE, last); },
+                                       [&](int s, int page, int at_row) {
+                                         const coord at{.b = page, .d = t.h, .row = at_row};
+                                         tma::load_async(in.k.template row_block<PIECE>(s), g.k, at, full);
+                                         tma::load_async(in.v.template row_block<PIECE>(s), g.v, at, full);
+                                       });
   }
 
   __device__ static void init_state(consumer_state& s, int) { reset(s); }
