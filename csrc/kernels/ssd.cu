@@ -199,7 +199,14 @@ struct ssd_scan_kernel {
     // While those run (they read neither dt nor the decay): the chunk's decay factors, and S's decay.
     const float dA_last = chunk_decay(s, g, t, it, c, sc.dA[c][w], sc.g[c][w], sc.w[c][w]);
     mul(s.S, s.S, fast_exp2(dA_last));
-    warpgroup::mma_async_wait<0>();
+    // The state update next, ahead of the masked products: it is the chain from chunk to chunk (the next
+    // chunk's C S^T waits for it), and it needs only x, B and the decay. Its A operand x^T, token j weighted
+    // by 2^(dA_last - dA_j) dt_j; the products in registers do not read the shared copy of S it replaces.
+    rt<T, 16, L> xt;
+    warpgroup::load_t(xt, in.x[c].ref());
+    map_at(xt, xt, 0, 0, [=](float v, int, int j) { return v * wj[j]; });
+    warpgroup::mma_AB(s.S, xt, in.B);
+    warpgroup::mma_async_wait<1>();  // att and C S^T are done; the state update may still run
 
     const int row0 = 16 * w;
     map_at(att, att, row0, 0,
@@ -208,16 +215,11 @@ struct ssd_scan_kernel {
     rt<T, 16, L> p;
     copy(p, att);
     warpgroup::mma_AB(y, p, in.x[c]);
-    // The state update's A operand x^T (loaded once att is dead: registers), token j weighted by
-    // 2^(dA_last - dA_j) dt_j.
-    rt<T, 16, L> xt;
-    warpgroup::load_t(xt, in.x[c].ref());
-    map_at(xt, xt, 0, 0, [=](float v, int, int j) { return v * wj[j]; });
-    warpgroup::mma_AB(s.S, xt, in.B);
-    warpgroup::mma_async_wait<0>();
+    warpgroup::mma_async_wait<1>();  // the state update is done (groups retire in order)
 
     warpgroup::store(sc.S[c].ref(), s.S);  // this chunk's C S^T has finished reading the old one
     fence_async_shared();
+    warpgroup::mma_async_wait<0>();
     epilogue(y, in, sc, g, t, it, c);
     warpgroup::sync(1 + c);  // the new S is complete before the next chunk's products read it
   }
