@@ -8,7 +8,6 @@ libraries); skipped when vLLM is not importable.
 """
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import pickle
@@ -23,7 +22,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (scripts/instal
 
 from vllm.config import AttentionConfig  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
@@ -33,6 +32,7 @@ from tk_backend.vllm import backend as tk_vllm_backend  # noqa: E402
 from tk_backend.vllm import compat  # noqa: E402
 from tk_backend.vllm.backend import TKAttentionBackend, TKAttentionImpl, kv_cache_views  # noqa: E402
 from tk_backend.vllm.metadata import TKAttentionMetadataBuilder, uniform_decode_shape  # noqa: E402
+from tests.vllm_sim import ServingSimulation, builder, common_metadata, vllm_allocated_cache  # noqa: E402
 
 CPU_ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
@@ -227,36 +227,6 @@ def test_impl_maps_window_and_softcap():
 # ------------------------------------------------------------------------------------------ KV layout
 
 
-def _vllm_allocated_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, layout: str):
-    """Two layers' KV caches as the installed vLLM allocates them, over one raw byte buffer."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                             dtype=torch.bfloat16)
-    page = spec.page_size_bytes
-    raw = torch.zeros(2 * num_blocks * page, dtype=torch.int8)
-    if compat.BACKEND_DECLARES_KV_SHAPE:  # vLLM 0.26: the backend's shape and stride order
-        from vllm.v1.attention.backends import utils as attn_utils
-        from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
-
-        attn_utils.set_kv_cache_layout(layout)
-        try:
-            shape = TKAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-            order = TKAttentionBackend.get_kv_cache_stride_order()
-        finally:
-            attn_utils.set_kv_cache_layout(None)
-        half = raw.numel() // 2
-        caches = [_reshape_attention_kv_cache(raw[i * half:(i + 1) * half], spec, shape, order, num_blocks, None)
-                  for i in range(2)]
-    else:  # vLLM >= 0.27: one KVCacheLayout for the whole model
-        from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-
-        kv_layout = {"NHD": KVCacheLayout.LBNHC, "HND": KVCacheLayout.LBHNC}[layout]
-        tensor = KVCacheTensor(size=raw.numel(), layers=["l0", "l1"], layer_stride=page * num_blocks,
-                               block_stride=page)
-        caches = create_kv_cache_views(raw, spec, num_blocks, kv_layout, tensor)
-    return raw, caches
-
-
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
@@ -265,7 +235,7 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("num_kv_heads,head_size", [(2, 64), (1, 128), (4, 256)])
 def test_kv_cache_views_are_strided_views_of_the_combined_cache(layout, num_kv_heads, head_size):
     num_blocks, block_size = 6, 16
-    raw, caches = _vllm_allocated_cache(num_blocks, block_size, num_kv_heads, head_size, layout)
+    raw, caches = vllm_allocated_cache(num_blocks, block_size, num_kv_heads, head_size, layout)
     kv = caches[1]
     assert kv.shape == (num_blocks, num_kv_heads, block_size, 2 * head_size)
     k, v = kv_cache_views(kv, head_size)
@@ -339,22 +309,6 @@ def test_uniform_decode_shape(query_lens, max_query_len, expected):
     assert uniform_decode_shape(qsl, max_query_len) == expected
 
 
-def _common_metadata(query_lens, seq_lens, block_table, slot_mapping) -> CommonAttentionMetadata:
-    qsl = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return CommonAttentionMetadata(
-        query_start_loc=qsl.clone(), query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slot_mapping,
-    )
-
-
-def _builder(num_kv_heads=2, head_size=64, block_size=16, speculative_config=None) -> TKAttentionMetadataBuilder:
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                             dtype=torch.bfloat16)
-    config = SimpleNamespace(speculative_config=speculative_config)
-    return TKAttentionMetadataBuilder(spec, ["layers.0.attn"], config, torch.device("cpu"))
-
-
 @pytest.mark.parametrize(
     "query_lens,seq_lens,decode",
     [
@@ -368,7 +322,7 @@ def _builder(num_kv_heads=2, head_size=64, block_size=16, speculative_config=Non
 def test_builder_chooses_the_decode_op_only_for_uniform_batches(query_lens, seq_lens, decode):
     n = len(query_lens)
     block_table = torch.arange(n * 8, dtype=torch.int32).view(n, 8)
-    md = _builder().build(0, _common_metadata(query_lens, seq_lens, block_table, torch.arange(sum(query_lens))))
+    md = builder().build(0, common_metadata(query_lens, seq_lens, block_table, torch.arange(sum(query_lens))))
     assert md.is_uniform_decode == (decode is not None)
     if decode is not None:
         assert (md.decode_batch, md.decode_query_len) == decode
@@ -376,7 +330,7 @@ def test_builder_chooses_the_decode_op_only_for_uniform_batches(query_lens, seq_
     assert md.block_table.shape == (n, 8) and md.seq_lens.tolist() == seq_lens
     assert md.query_start_loc.shape == (n + 1,)
     # update_block_table keeps everything else.
-    other = _builder().update_block_table(md, block_table + 100, torch.zeros(3))
+    other = builder().update_block_table(md, block_table + 100, torch.zeros(3))
     assert torch.equal(other.block_table, block_table + 100) and other.decode_batch == md.decode_batch
 
 
@@ -447,87 +401,12 @@ def kernels(monkeypatch) -> _KernelStandIns:
     return stand_ins
 
 
-class _ServingSimulation:
-    """One attention layer over a paged cache, driven the way vLLM drives it, checked against dense attention.
-
-    Each request has full random q/k/v histories; a step feeds each request its next `n` tokens (slot mapping
-    through its shuffled pages), builds the metadata from a CommonAttentionMetadata, writes the cache, runs the
-    impl, and compares every real output row with reference attention over the request's unpaged keys.
-    """
-
-    def __init__(self, num_heads, num_kv_heads, head_size, prompt_lens, block_size=16, max_len=160,
-                 sliding_window=None, softcap=None, layout="NHD", seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        self.h, self.hkv, self.d, self.bs = num_heads, num_kv_heads, head_size, block_size
-        self.scale = head_size**-0.5
-        self.max_blocks = math.ceil(max_len / block_size)
-        num_blocks = len(prompt_lens) * self.max_blocks + 3
-        _, caches = _vllm_allocated_cache(num_blocks, block_size, num_kv_heads, head_size, layout)
-        self.kv_cache = caches[0]
-        perm = torch.randperm(num_blocks - 1, generator=gen)[: len(prompt_lens) * self.max_blocks] + 1
-        self.block_table = perm.view(len(prompt_lens), self.max_blocks).to(torch.int32)
-        self.hist = [
-            {n: torch.randn(max_len, hq, head_size, generator=gen).to(torch.bfloat16)
-             for n, hq in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))}
-            for _ in prompt_lens
-        ]
-        self.done = [0] * len(prompt_lens)
-        # vLLM's sliding window w: a query sees itself and the w - 1 keys before it.
-        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-        self.softcap = softcap or 0.0
-        self.impl = TKAttentionImpl(num_heads, head_size, self.scale, num_kv_heads, None, sliding_window, "auto",
-                                    softcap)
-        self.builder = _builder(num_kv_heads, head_size, block_size)
-        self.layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
-
-    def prefill_cached_prefix(self, req: int, n: int) -> None:
-        """Tokens whose K/V an earlier step (or another request, via prefix caching) already wrote."""
-        self.step({req: n}, check=False)
-
-    def step(self, new_tokens: dict[int, int], pad_requests: int = 0, pad_tokens: int = 0, check: bool = True):
-        reqs = list(new_tokens)
-        qs, ks, vs, slots, expected = [], [], [], [], []
-        for r in reqs:
-            lo, hi = self.done[r], self.done[r] + new_tokens[r]
-            for name, dst in (("q", qs), ("k", ks), ("v", vs)):
-                dst.append(self.hist[r][name][lo:hi])
-            pos = torch.arange(lo, hi)
-            slots.append(self.block_table[r].long()[pos // self.bs] * self.bs + pos % self.bs)
-            if check:
-                out, _ = reference.attention(
-                    self.hist[r]["q"][lo:hi], self.hist[r]["k"][:hi], self.hist[r]["v"][:hi],
-                    torch.tensor([0, hi - lo], dtype=torch.int32), torch.tensor([0, hi], dtype=torch.int32),
-                    self.scale, True, self.window, self.softcap,
-                )
-                expected.append(out)
-            self.done[r] = hi
-        query_lens = [new_tokens[r] for r in reqs] + [0] * pad_requests
-        seq_lens = [self.done[r] for r in reqs] + [0] * pad_requests
-        block_table = torch.cat([self.block_table[reqs], torch.zeros(pad_requests, self.max_blocks,
-                                                                      dtype=torch.int32)])
-        cm = _common_metadata(query_lens, seq_lens, block_table, torch.cat(slots))
-        md = self.builder.build(0, cm)
-        junk = {"q": self.h, "k": self.hkv, "v": self.hkv}
-        q, k, v = (torch.cat([*rows, torch.randn(pad_tokens, junk[n], self.d).to(torch.bfloat16)])
-                   for n, rows in (("q", qs), ("k", ks), ("v", vs)))
-        output = torch.full((q.shape[0], self.h, self.d), float("nan"), dtype=torch.bfloat16)
-        self.impl.do_kv_cache_update(self.layer, k, v, self.kv_cache, cm.slot_mapping)
-        self.impl.forward(self.layer, q, k, v, self.kv_cache, md, output)
-        if check:
-            n = cm.num_actual_tokens
-            got, want = output[:n].float(), torch.cat(expected)
-            assert not torch.isnan(got).any(), "unwritten output rows"
-            err = (got - want).norm() / want.norm()
-            assert err < 1e-2, f"relative error {err:.3e}"
-        return md
-
-
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(8, 2, 64), (4, 4, 128), (8, 1, 256)])
 def test_forward_serves_prefill_chunks_prefix_hits_decode_and_verification(
     kernels, layout, num_heads, num_kv_heads, head_size
 ):
-    sim = _ServingSimulation(num_heads, num_kv_heads, head_size, prompt_lens=[37, 5, 70], layout=layout)
+    sim = ServingSimulation(num_heads, num_kv_heads, head_size, prompt_lens=[37, 5, 70], layout=layout)
     sim.prefill_cached_prefix(2, 40)  # request 2's first 40 tokens come from the prefix cache
     kernels.calls.clear()
     sim.step({0: 37, 1: 5, 2: 30})  # prefill, short prefill, chunked prefill over the cached prefix
@@ -540,7 +419,7 @@ def test_forward_serves_prefill_chunks_prefix_hits_decode_and_verification(
 
 @pytest.mark.parametrize("sliding_window,softcap", [(24, None), (None, 20.0), (9, 5.0)])
 def test_forward_applies_sliding_window_and_softcap(kernels, sliding_window, softcap):
-    sim = _ServingSimulation(8, 2, 64, prompt_lens=[60, 33], sliding_window=sliding_window, softcap=softcap)
+    sim = ServingSimulation(8, 2, 64, prompt_lens=[60, 33], sliding_window=sliding_window, softcap=softcap)
     sim.step({0: 60, 1: 20})
     sim.step({0: 1, 1: 1})
     sim.step({0: 2, 1: 13})
@@ -595,14 +474,14 @@ def test_tensor_parallel_ranks_attend_their_head_slices(kernels, total_q, total_
     pos = torch.cat([torch.arange(n) for n in lens])
     req = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
     slots = block_table[req, pos // block_size].long() * block_size + pos % block_size
-    md = _builder(kv_heads_per_rank, 64).build(0, _common_metadata(lens, lens, block_table, slots))
+    md = builder(kv_heads_per_rank, 64).build(0, common_metadata(lens, lens, block_table, slots))
     layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
     for rank in range(tp):
         q_heads, kv_heads = _rank_heads(total_q, total_kv, tp, rank)
         assert q_heads.stop - q_heads.start == heads_per_rank
         assert kv_heads.stop - kv_heads.start == kv_heads_per_rank
         impl = TKAttentionImpl(heads_per_rank, 64, 0.125, kv_heads_per_rank, None, None, "auto")
-        _, (kv_cache, _) = _vllm_allocated_cache(3 * max_blocks, block_size, kv_heads_per_rank, 64, "NHD")
+        _, (kv_cache, _) = vllm_allocated_cache(3 * max_blocks, block_size, kv_heads_per_rank, 64, "NHD")
         out = torch.full((64, heads_per_rank, 64), float("nan"), dtype=torch.bfloat16)
         impl.do_kv_cache_update(layer, k[:, kv_heads], v[:, kv_heads], kv_cache, slots)
         impl.forward(layer, q[:, q_heads].contiguous(), None, None, kv_cache, md, out)
