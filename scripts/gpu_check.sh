@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build against the host's torch, run the GPU tests, benchmark, collect logs in $OUT.
-#   scripts/gpu_check.sh [build] [prims] [tests] [test:PATH] [sanitize] [bench:FAMILY] [env:VAR=VALUE] [run:CMD] ...
+#   scripts/gpu_check.sh [build] [prims] [tests] [test:PATH[ ARGS]] [sanitize] [bench:FAMILY] [env:VAR=VALUE] [run:CMD] ...
 #   (default: build prims tests bench:gemm)
 # Prints a short summary last; full logs and bench/results/h200.json land in $OUT.
 set -uo pipefail
@@ -21,7 +21,9 @@ for step in "${steps[@]}"; do
       rc=$?; [ $rc -ne 0 ] && { grep -E "error" "$OUT/build.log" | head -30; summary+=("build FAILED"); break; } ;;
     prims) timeout -k 10 300 python3 -m pytest -q -rs tests/gpu/test_primitives.py 2>&1 | tee "$OUT/prims.log" | tail -15; rc=${PIPESTATUS[0]} ;;
     tests) timeout -k 10 900 python3 -m pytest -q -rsP tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
-    test:*) timeout -k 10 900 python3 -m pytest -q -rsP "${step#test:}" 2>&1 | tee -a "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
+    # test:PATH [pytest args]: stops at the first failure, so its report is written before any later call limit
+    # shellcheck disable=SC2086
+    test:*) timeout -k 10 900 python3 -m pytest -q -x -rsP ${step#test:} 2>&1 | tee -a "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
     sanitize)
       timeout -k 10 600 compute-sanitizer --tool memcheck --target-processes all python3 -m pytest -q -x tests/gpu/test_gemm.py -k "not compile" \
         >"$OUT/sanitize.log" 2>&1; rc=$?; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3 ;;
