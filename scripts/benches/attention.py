@@ -83,8 +83,9 @@ def _varlen_case() -> list[Row]:
     return _measure(case, impls, flops)
 
 
-def _paged_case() -> list[Row]:
-    new, ctx, block, hq, hkv, d = 4096, 28672, 16, 32, 8, 128
+def _paged_case(block: int) -> list[Row]:
+    """A 4096-token prompt chunk over a 28k-token paged context: pages of 16 tokens (vLLM's default), or 64."""
+    new, ctx, hq, hkv, d = 4096, 28672, 32, 8, 128
     blocks = ctx // block
     kv = torch.randn(blocks + 64, block, hkv, 2 * d, device="cuda", dtype=torch.bfloat16)
     k_cache, v_cache = kv[..., :d], kv[..., d:]
@@ -94,7 +95,7 @@ def _paged_case() -> list[Row]:
     used = torch.tensor([ctx], dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     flops = _flops([new], [ctx], hq, d, True)
-    case = "paged16_new4096_ctx28672_d128"
+    case = f"paged{block}_new4096_ctx28672_d128"
     impls = {"tk": lambda i: tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, new, ctx, causal=True,
                                                                block_table=table, seqused_k=used, out=out)}
     fa3 = _fa3()
@@ -114,5 +115,6 @@ def run(quick: bool = False) -> list[Row]:
                 torch.cuda.empty_cache()
     rows += _dense_case(16, 4096, 32, 128, True, hkv=8, name="gqa32-8_b16_n4096_d128_causal")
     rows += _varlen_case()
-    rows += _paged_case()
+    for block in (16,) if quick else (16, 64):
+        rows += _paged_case(block)
     return rows

@@ -12,9 +12,11 @@ import tk_backend
 from tk_backend import attention, decode_plan
 from benchlib import Row, selected, time_per_call
 
-PAGE, D = 16, 128
-CASES = [(b, c, 32, 8) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)] + [(1, 131072, 32, 8)]
-CASES += [(b, c, 64, 8) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)]
+D = 128
+# (batch, context, hq, hkv, page): vLLM's default 16-token pages, and a few cases with 64-token pages.
+CASES = [(b, c, 32, 8, 16) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)] + [(1, 131072, 32, 8, 16)]
+CASES += [(b, c, 64, 8, 16) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)]
+CASES += [(1, 32768, 32, 8, 64), (8, 8192, 32, 8, 64), (64, 8192, 32, 8, 64)]
 
 
 def _fa3():
@@ -25,18 +27,18 @@ def _fa3():
         return None
 
 
-def _case(b, ctx, hq, hkv) -> list[Row]:
-    blocks = b * ctx // PAGE
-    k_cache = torch.randn(blocks, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn(blocks, PAGE, hkv, D, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // PAGE)
+def _case(b, ctx, hq, hkv, page) -> list[Row]:
+    blocks = b * ctx // page
+    k_cache = torch.randn(blocks, page, hkv, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(blocks, page, hkv, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // page)
     q = torch.randn(b, 1, hq, D, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     bytes_moved = 2 * (2 * b * ctx * hkv * D + 2 * b * hq * D)
-    case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{PAGE}"
+    case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{page}"
     num_sms, name = attention._device_info(q.device)
-    plan = decode_plan.make_plan(b, ctx, 1, hq, hkv, D, PAGE, num_sms, -1, 0, name)
+    plan = decode_plan.make_plan(b, ctx, 1, hq, hkv, D, page, num_sms, -1, 0, name)
     print(f"  {case}: plan chunk_tokens={plan.chunk_tokens} max_splits={plan.max_splits} ctas={plan.num_ctas} "
           f"({plan.source})", flush=True)
     impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
@@ -63,7 +65,7 @@ def _case(b, ctx, hq, hkv) -> list[Row]:
 
 def run(quick: bool = False) -> list[Row]:
     rows = []
-    for b, ctx, hq, hkv in CASES[:4] if quick else CASES:
-        rows += _case(b, ctx, hq, hkv)
+    for b, ctx, hq, hkv, page in CASES[:4] if quick else CASES:
+        rows += _case(b, ctx, hq, hkv, page)
         torch.cuda.empty_cache()
     return rows
