@@ -267,7 +267,9 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     } else {
       for (int id = first; id < num_tasks; id += step) run_task(id);
     }
-    if (warpgroup::thread() == 0) tma::store_wait<0>();  // shared memory must outlive pending stores
+    // Shared memory must outlive pending stores. Bulk-store groups belong to the thread that committed them,
+    // and kernels issue from one lane of any warp (the GEMM's per-warp epilogue): each warp's lane 0 waits.
+    if (laneid() == 0) tma::store_wait<0>();
   }
   // No CTA may leave while a peer can still multicast into it or arrive on its semaphores.
   if constexpr (cluster > 1) cluster_sync();
