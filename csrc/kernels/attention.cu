@@ -244,6 +244,12 @@ struct attn_prefill {
       }
     }
     if (r0 + QROWS <= t.lq) {  // a whole tile: through shared memory and one TMA store
+      // A task without keys (no compute_first, which waits) may follow one whose output store still reads
+      // the buffer.
+      if (t.iters == 0) {
+        if (warpgroup::thread() == 0) tma::store_wait_read<0>();
+        warpgroup::sync(1 + wg);
+      }
       warpgroup::store(scratch.q[wg].ref(), s.o);
       fence_async_shared();
       warpgroup::sync(1 + wg);
