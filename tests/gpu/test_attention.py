@@ -49,6 +49,30 @@ def test_varlen(d, causal, group, seed):
     _check(out, lse, ref_out, ref_lse, f"varlen d={d} causal={causal} group={group} lq={lq} lk={lk} seed={seed}")
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_many_tasks_per_cta(d, causal, seed):
+    """Dozens of tasks per CTA of the persistent grid, so every hand-over from one task to the next runs:
+    lengths from 0 to 1500 (an empty sequence, one with queries but no keys, lengths not a multiple of any
+    tile), GQA 4."""
+    rng = random.Random(seed)
+    hkv, hq = 4, 16
+    lq = _lengths(rng, 40, 1, 1500)
+    lq[rng.randrange(40)] = 0
+    lk = [q + rng.randint(0, 200) if rng.random() < 0.5 else rng.randint(0, 1500) for q in lq]
+    lk[rng.randrange(40)] = 0
+    q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(max(lk), 1), causal=causal,
+                                               out=out, return_softmax_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu_q, cu_k, causal=causal)
+    _check(out, lse, ref_out, ref_lse, f"many tasks d={d} causal={causal} lq={lq} lk={lk} seed={seed}")
+
+
 @pytest.mark.parametrize("window,softcap", [((64, 0), 0.0), ((100, 37), 0.0), ((-1, -1), 30.0), ((256, -1), 5.0)])
 def test_window_softcap(window, softcap, seed):
     rng = random.Random(seed)
