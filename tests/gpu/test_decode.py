@@ -40,6 +40,25 @@ def test_decode(q_len, block_size, group, seed):
     assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_many_items_per_cta(block_size, seed):
+    """A batch of 64 with contexts from 1 to 6000 tokens: several split-KV items per CTA, so every hand-over from
+    one item to the next (and every item's ragged last tile) runs."""
+    rng = random.Random(seed)
+    batch, hkv, group, d = 64, 2, 4, 128
+    contexts = [rng.randint(1, 6000) for _ in range(batch)]
+    k_cache, v_cache, table = _cache(rng, batch, contexts, block_size, hkv, d)
+    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, return_softmax_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
+    what = f"decode many items bs={block_size} ctx={contexts} seed={seed}"
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
+    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+
+
 @pytest.mark.parametrize("window,softcap", [((128, 0), 0.0), ((-1, -1), 20.0)])
 def test_decode_window_softcap(window, softcap, seed):
     rng = random.Random(seed)
