@@ -21,13 +21,10 @@ def _cache(rng, batch, contexts, block_size, hkv, d, dtype=torch.bfloat16):
     return kv[..., :d], kv[..., d:], table.contiguous()
 
 
-@pytest.mark.parametrize("q_len", [1, 4])
-@pytest.mark.parametrize("block_size", [16, 64, 256])
-@pytest.mark.parametrize("group", [4, 8])
-def test_decode(q_len, block_size, group, seed):
-    rng = random.Random(seed)
-    batch, hkv, d = 6, 2, 128
-    contexts = [rng.choice([q_len, rng.randint(q_len, 300), rng.randint(1000, 20000)]) for _ in range(batch)]
+def _check_against_reference(rng, contexts, q_len, block_size, hkv, group, d, what):
+    """Random paged K/V and queries for these contexts; out and lse (written into poisoned buffers) against the
+    float32 reference."""
+    batch = len(contexts)
     k_cache, v_cache, table = _cache(rng, batch, contexts, block_size, hkv, d)
     q = torch.randn(batch, q_len, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
@@ -35,9 +32,19 @@ def test_decode(q_len, block_size, group, seed):
     _, lse = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, return_softmax_lse=True)
     torch.cuda.synchronize()
     ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
-    what = f"decode q_len={q_len} bs={block_size} group={group} ctx={contexts} seed={seed}"
     assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
     assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("group", [4, 8])
+def test_decode(q_len, block_size, group, seed):
+    rng = random.Random(seed)
+    batch, hkv, d = 6, 2, 128
+    contexts = [rng.choice([q_len, rng.randint(q_len, 300), rng.randint(1000, 20000)]) for _ in range(batch)]
+    _check_against_reference(rng, contexts, q_len, block_size, hkv, group, d,
+                             f"decode q_len={q_len} bs={block_size} group={group} ctx={contexts} seed={seed}")
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -47,16 +54,8 @@ def test_decode_many_items_per_cta(block_size, seed):
     rng = random.Random(seed)
     batch, hkv, group, d = 64, 2, 4, 128
     contexts = [rng.randint(1, 6000) for _ in range(batch)]
-    k_cache, v_cache, table = _cache(rng, batch, contexts, block_size, hkv, d)
-    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
-    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    _, lse = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, return_softmax_lse=True)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
-    what = f"decode many items bs={block_size} ctx={contexts} seed={seed}"
-    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
-    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+    _check_against_reference(rng, contexts, 1, block_size, hkv, group, d,
+                             f"decode many items bs={block_size} ctx={contexts} seed={seed}")
 
 
 @pytest.mark.parametrize("window,softcap", [((128, 0), 0.0), ((-1, -1), 20.0)])
