@@ -1,9 +1,10 @@
 """End to end on an H200 with vLLM (0.26.0 on the GPU host): the TK backend against FLASH_ATTN and TRITON_ATTN.
 
 Each backend serves the same random-weight Llama-shaped model (examples/build_tiny_model.py) and the same 64
-random prompts, in its own process (python -m tests.gpu.test_vllm_e2e --worker ...), with CUDA graphs, prefix
-caching and chunked prefill on (prompts up to 1500 tokens against a 512-token step budget, 16 prompts sharing a
-300-token prefix, the generation pass run twice so the second one hits the prefix cache). Measured:
+random prompts, in its own process (python -m tests.gpu.test_vllm_e2e --worker ...; a test's engines run at
+once), with CUDA graphs, prefix caching and chunked prefill on (prompts up to 1500 tokens against a 512-token
+step budget, 16 prompts sharing a 300-token prefix, the generation pass run twice so the second one hits the
+prefix cache). Measured:
 
 * teacher-forced: prompt logprobs at every position of every prompt; top-1 agreement and the largest
   |logprob difference| of the prompt token between two backends;
@@ -65,7 +66,8 @@ def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1
     llm = LLM(
         model=model, attention_backend=backend, tensor_parallel_size=tensor_parallel_size, seed=0,
         max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, enable_chunked_prefill=True,
-        enable_prefix_caching=True, gpu_memory_utilization=0.4, enforce_eager=False,
+        enable_prefix_caching=True, gpu_memory_utilization=0.1, kv_cache_memory_bytes=KV_CACHE_BYTES,
+        enforce_eager=False,
     )
     token_logprobs, top1 = prompt_logprobs(llm, prompts)
     first = greedy_tokens(llm, prompts, GREEDY_TOKENS)
@@ -74,18 +76,17 @@ def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1
                                      "top1": top1, "greedy": first, "greedy_cached": second}))
 
 
-def _run(model_dir: Path, backend: str, out_dir: Path, tensor_parallel_size: int = 1) -> dict:
-    out = out_dir / f"{backend}_tp{tensor_parallel_size}.json"
-    if not out.exists():
-        env = harness.vllm_env()
-        if backend == "TK":
-            # The harder start method: spawned processes unpickle the config before loading plugins.
-            env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+def _run(model_dir: Path, out_dir: Path, *engines: tuple[str, int]) -> list[dict]:
+    """The results of each (backend, tensor_parallel_size) engine, the missing ones run at once."""
+    jobs = []
+    for backend, tp in engines:
+        out = out_dir / f"{backend}_tp{tp}.json"
+        # TK takes the harder start method: spawned processes unpickle the config before loading plugins.
+        env = harness.vllm_env(**({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if backend == "TK" else {}))
         command = [sys.executable, "-m", "tests.gpu.test_vllm_e2e", "--worker", "--model", str(model_dir),
-                   "--backend", backend, "--out", str(out), "--tp", str(tensor_parallel_size)]
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-        assert proc.returncode == 0, f"{backend} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+                   "--backend", backend, "--out", str(out), "--tp", str(tp)]
+        jobs.append((out, command, env))
+    return harness.run_workers(jobs, cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -116,7 +117,7 @@ def _model(workdir: Path, preset: str) -> Path:
 @pytest.mark.parametrize("preset", ["tiny-hd128", "tiny-hd64"])
 def test_tk_agrees_with_flash_attn_at_least_as_well_as_triton(workdir, preset):
     model = _model(workdir, preset)
-    fa, triton, tk = (_run(model, b, workdir / preset) for b in ("FLASH_ATTN", "TRITON_ATTN", "TK"))
+    fa, triton, tk = _run(model, workdir / preset, ("FLASH_ATTN", 1), ("TRITON_ATTN", 1), ("TK", 1))
     assert_agrees_like_yardstick((tk, fa), (triton, fa))
 
 
@@ -132,9 +133,9 @@ def _needs_gpus(n: int) -> None:
 def test_tensor_parallel_2_agrees_with_tp1_and_flash_attn(workdir, preset):
     _needs_gpus(2)
     model = _model(workdir, preset)
-    fa, triton, tk = (_run(model, b, workdir / preset, tensor_parallel_size=2) for b in ("FLASH_ATTN", "TRITON_ATTN", "TK"))
+    fa, triton, tk, tk_tp1 = _run(model, workdir / preset, ("FLASH_ATTN", 2), ("TRITON_ATTN", 2), ("TK", 2), ("TK", 1))
     assert_agrees_like_yardstick((tk, fa), (triton, fa))
-    assert_agrees_like_yardstick((tk, _run(model, "TK", workdir / preset)), (triton, fa))
+    assert_agrees_like_yardstick((tk, tk_tp1), (triton, fa))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

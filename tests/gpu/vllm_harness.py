@@ -2,8 +2,11 @@
 worker process), and comparing two such runs (in the test process)."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,28 @@ def workdir(tmp_path_factory, name: str) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         return path
     return tmp_path_factory.mktemp(name)
+
+
+def run_workers(jobs: list[tuple[Path, list[str], dict[str, str]]], cwd: Path, timeout_s: float) -> list[dict]:
+    """Runs each (out, command, env) whose `out` does not exist yet, all at once, each in its own process, and
+    returns every job's results (the JSON its worker wrote to `out`). Concurrent engines must not size their KV
+    cache by profiling free memory (another engine's allocations would count as theirs): set
+    kv_cache_memory_bytes in the workers."""
+    procs = [(out, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True))
+             for out, command, env in jobs if not out.exists()]
+    deadline = time.monotonic() + timeout_s
+    failures = []
+    for out, proc in procs:
+        try:
+            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+        if proc.returncode != 0:
+            failures.append(f"{out.name} worker failed (rc {proc.returncode}):\n{log[-6000:]}")
+    assert not failures, "\n\n".join(failures)
+    return [json.loads(out.read_text()) for out, _, _ in jobs]
 
 
 def prompt_logprobs(llm, prompts) -> tuple[list[list[float]], list[list[int]]]:
