@@ -398,15 +398,20 @@ def _device_info(device: torch.device) -> tuple[int, str]:
     return _device_properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
-_workspaces: dict[tuple[decode_plan.DecodePlan, torch.device], decode_plan.DecodeWorkspace] = {}
+# Decode workspaces: one buffer set per (device, row layout, CTA count), shared by every plan of that layout
+# (a plan takes a prefix of it). Plans differ per batch size, and vLLM's mixed batches bring any number of
+# decode requests, so one buffer per plan would grow without bound. A buffer is allocated on first use
+# (before graph capture) and grows by doubling; outgrown buffers stay alive, since a captured CUDA graph may
+# still point at them. Every use is on the op's stream, one launch sequence after another.
+_workspaces: dict[tuple, list[decode_plan.DecodeWorkspace]] = {}
 
 
 def _workspace(plan: decode_plan.DecodePlan, device: torch.device) -> decode_plan.DecodeWorkspace:
-    """One workspace per plan and device, allocated on first use (before graph capture) and reused."""
-    key = (plan, device)
-    if key not in _workspaces:
-        _workspaces[key] = decode_plan.DecodeWorkspace.allocate(plan, device)
-    return _workspaces[key]
+    held = _workspaces.setdefault((device, plan.q_len, plan.group, plan.head_dim, plan.num_ctas), [])
+    if not held or held[-1].capacity < plan.max_items:
+        capacity = max(plan.max_items, 2 * held[-1].capacity if held else 0)
+        held.append(decode_plan.DecodeWorkspace.allocate(plan, device, items=capacity))
+    return held[-1].prefix(plan.max_items)
 
 
 def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out):

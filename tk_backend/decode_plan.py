@@ -101,14 +101,28 @@ class DecodeWorkspace:
     partial_lse: torch.Tensor  # float32 [max_items, q_len, group]
 
     @classmethod
-    def allocate(cls, plan: DecodePlan, device: torch.device | str) -> "DecodeWorkspace":
-        n = plan.max_items
+    def allocate(cls, plan: DecodePlan, device: torch.device | str, items: int | None = None) -> "DecodeWorkspace":
+        """Buffers for `items` work items (default: exactly plan.max_items) of plan's row layout."""
+        n = plan.max_items if items is None else items
+        if n < plan.max_items:
+            raise ValueError(f"a workspace of {n} items cannot hold the plan's {plan.max_items}")
         return cls(
             work_items=torch.empty(n, 4, dtype=torch.int32, device=device),
             cta_start=torch.empty(plan.num_ctas + 1, dtype=torch.int32, device=device),
             partial_out=torch.empty(n, plan.q_len, plan.group, plan.head_dim, dtype=torch.float32, device=device),
             partial_lse=torch.empty(n, plan.q_len, plan.group, dtype=torch.float32, device=device),
         )
+
+    @property
+    def capacity(self) -> int:
+        return self.work_items.shape[0]
+
+    def prefix(self, items: int) -> "DecodeWorkspace":
+        """The first `items` slots (views): what a plan with max_items = items uses of a larger workspace."""
+        if items > self.capacity:
+            raise ValueError(f"the workspace holds {self.capacity} items, not {items}")
+        return DecodeWorkspace(self.work_items[:items], self.cta_start, self.partial_out[:items],
+                               self.partial_lse[:items])
 
 
 # --------------------------------------------------------------------------------------- static planning

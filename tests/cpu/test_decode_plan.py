@@ -123,6 +123,31 @@ def test_workspace_is_reused_across_steps():
     assert ptrs == (ws.work_items.data_ptr(), ws.cta_start.data_ptr())
 
 
+def test_plans_of_one_row_layout_share_a_growing_workspace(monkeypatch):
+    """Any batch size (vLLM's mixed batches) takes a prefix of one buffer set; growth keeps the old buffers."""
+    from tk_backend import attention
+
+    monkeypatch.setattr(attention, "_workspaces", {})
+    dev = torch.device("cpu")
+    small, large, larger = (_plan(b, 1024, num_splits=3) for b in (3, 5, 11))
+    ws_small = attention._workspace(small, dev)
+    assert ws_small.capacity == small.max_items
+    ws_large = attention._workspace(large, dev)  # outgrows: a new buffer of at least twice the old
+    assert ws_large.capacity == large.max_items and ws_large.work_items.data_ptr() != ws_small.work_items.data_ptr()
+    again = attention._workspace(small, dev)  # now a prefix of the larger buffer
+    assert again.capacity == small.max_items and again.work_items.data_ptr() == ws_large.work_items.data_ptr()
+    assert again.partial_out.shape[0] == small.max_items and again.partial_lse.shape[0] == small.max_items
+    attention._workspace(larger, dev)
+    held = next(iter(attention._workspaces.values()))
+    first, second = small.max_items, max(large.max_items, 2 * small.max_items)
+    assert [w.capacity for w in held] == [first, second, max(larger.max_items, 2 * second)]
+    for lengths in ([1, 2, 3], [1024, 0, 17]):  # a prefix works as the plan's own workspace
+        decode_plan.build_work_list(small, torch.tensor(lengths, dtype=torch.int32), again)
+        _check_work_list(small, lengths, again)
+    with pytest.raises(ValueError, match="cannot hold"):
+        decode_plan.DecodeWorkspace.allocate(large, dev, items=large.max_items - 1)
+
+
 # ------------------------------------------------------------------------------------------------ merge
 
 

@@ -31,7 +31,12 @@ from tk_backend import attention, reference  # noqa: E402
 from tk_backend.vllm import backend as tk_vllm_backend  # noqa: E402
 from tk_backend.vllm import compat  # noqa: E402
 from tk_backend.vllm.backend import TKAttentionBackend, TKAttentionImpl, kv_cache_views  # noqa: E402
-from tk_backend.vllm.metadata import TKAttentionMetadataBuilder, uniform_decode_shape  # noqa: E402
+from tk_backend.vllm.metadata import (  # noqa: E402
+    MIN_SPLIT_DECODES,
+    TKAttentionMetadataBuilder,
+    leading_single_token_requests,
+    uniform_decode_shape,
+)
 from tests.vllm_sim import ServingSimulation, builder, common_metadata, vllm_allocated_cache  # noqa: E402
 
 CPU_ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -310,6 +315,15 @@ def test_uniform_decode_shape(query_lens, max_query_len, expected):
 
 
 @pytest.mark.parametrize(
+    "query_lens,expected",
+    [([1, 1, 1], 3), ([1, 1, 5, 1], 2), ([5, 1, 1], 0), ([1, 0], 1), ([2], 0), ([1] * 9 + [300], 9)],
+)
+def test_leading_single_token_requests(query_lens, expected):
+    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    assert leading_single_token_requests(qsl) == expected
+
+
+@pytest.mark.parametrize(
     "query_lens,seq_lens,decode",
     [
         ([1, 1, 1, 1], [9, 30, 1, 100], (4, 1)),  # decode
@@ -332,6 +346,22 @@ def test_builder_chooses_the_decode_op_only_for_uniform_batches(query_lens, seq_
     # update_block_table keeps everything else.
     other = builder().update_block_table(md, block_table + 100, torch.zeros(3))
     assert torch.equal(other.block_table, block_table + 100) and other.decode_batch == md.decode_batch
+
+
+@pytest.mark.parametrize("decodes,expect_split", [(MIN_SPLIT_DECODES, True), (MIN_SPLIT_DECODES - 1, False)])
+def test_builder_splits_mixed_batches_with_enough_leading_decodes(decodes, expect_split):
+    query_lens = [1] * decodes + [7, 30]
+    seq_lens = [10 + i for i in range(decodes)] + [7, 90]
+    n = len(query_lens)
+    block_table = torch.arange(n * 8, dtype=torch.int32).view(n, 8)
+    md = builder().build(0, common_metadata(query_lens, seq_lens, block_table, torch.arange(sum(query_lens))))
+    assert TKAttentionMetadataBuilder.reorder_batch_threshold == 1  # vLLM puts one-token requests first
+    assert not md.is_uniform_decode
+    if expect_split:
+        assert md.num_decodes == decodes
+        assert md.prefill_query_start_loc.tolist() == [0, 7, 37]
+    else:
+        assert md.num_decodes == 0 and md.prefill_query_start_loc is None
 
 
 def test_cudagraph_support_depends_on_the_decode_width():
@@ -415,6 +445,22 @@ def test_forward_serves_prefill_chunks_prefix_hits_decode_and_verification(
     sim.step({0: 1, 1: 9})  # mixed decode + prefill
     sim.step({0: 1, 1: 1, 2: 1}, pad_requests=2, pad_tokens=2)  # decode padded for a CUDA graph of 5
     assert kernels.calls == ["varlen", "decode(3, 1)", "decode(3, 4)", "varlen", "decode(5, 1)"]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (24, 5.0)])
+def test_forward_splits_mixed_batches_between_the_decode_and_prefill_ops(kernels, layout, sliding_window, softcap):
+    n = MIN_SPLIT_DECODES + 2
+    sim = ServingSimulation(8, 2, 64, prompt_lens=[40] * n + [90], layout=layout, sliding_window=sliding_window,
+                             softcap=softcap)
+    sim.step({r: 17 + r for r in range(n)})  # prefills
+    kernels.calls.clear()
+    mixed = {r: 1 for r in range(n)}
+    sim.step({**mixed, n: 33})  # n decodes first (as vLLM reorders), then a prefill: split
+    sim.step({**mixed, n: 20})  # a chunk over the prefill's first chunk: split again
+    sim.step({n: 5, **mixed})  # not reordered (a prefill first): all through the prefill op
+    sim.step({0: 1, 1: 1, n: 7})  # too few decodes to split
+    assert kernels.calls == [f"decode({n}, 1)", "varlen", f"decode({n}, 1)", "varlen", "varlen", "varlen"]
 
 
 @pytest.mark.parametrize("sliding_window,softcap", [(24, None), (None, 20.0), (9, 5.0)])

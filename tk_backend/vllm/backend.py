@@ -246,10 +246,18 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
                 out=output[:rows].view(shape),
             )
             return output
-        n = md.num_actual_tokens
+        n, d = md.num_actual_tokens, md.num_decodes
+        if d > 0:  # a mixed batch's leading one-token requests (metadata module docstring)
+            shape = (d, 1, self.num_heads, self.head_size)
+            flash_attn_with_kvcache(
+                query[:d].view(shape), key_cache, value_cache, md.seq_lens[:d], md.block_table[:d],
+                softmax_scale=self.scale, causal=True, window_size=self.window_size, softcap=self.softcap,
+                out=output[:d].view(shape),
+            )
+        query_start_loc = md.prefill_query_start_loc if d > 0 else md.query_start_loc
         flash_attn_varlen_func(
-            query[:n], key_cache, value_cache, md.query_start_loc, None, md.max_query_len, md.max_seq_len,
+            query[d:n], key_cache, value_cache, query_start_loc, None, md.max_query_len, md.max_seq_len,
             softmax_scale=self.scale, causal=True, window_size=self.window_size, softcap=self.softcap,
-            block_table=md.block_table, seqused_k=md.seq_lens, out=output[:n],
+            block_table=md.block_table[d:], seqused_k=md.seq_lens[d:], out=output[d:n],
         )
         return output

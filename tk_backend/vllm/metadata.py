@@ -4,7 +4,11 @@ A batch whose requests all have the same query length q <= tk_backend.attention.
 decode: q = 1; speculative verification: q = 1 + drafts) runs through `flash_attn_with_kvcache`, whose split-KV
 plan depends only on the batch shape (batch, q, block-table width), so the call can be captured once per
 batch size in a CUDA graph and replayed for any context lengths. Everything else (prefill, chunked prefill,
-prefix-cache hits, mixed batches) runs through the paged `flash_attn_varlen_func`.
+prefix-cache hits) runs through the paged `flash_attn_varlen_func`. A mixed batch is split: the builder asks vLLM
+to put single-token requests first (reorder_batch_threshold = 1), and when at least MIN_SPLIT_DECODES of them
+lead the batch they run through `flash_attn_with_kvcache` (a kv head's query heads share one tile and one read
+of its keys) and only the rest through the prefill kernel, whose 128-row query tiles a one-token request
+would mostly leave empty, once per query head.
 
 Padding: when vLLM replays a full CUDA graph it pads the batch with requests of query length 0 and context
 length 0 at the end. Those keep a batch uniform (the decode op gives a zero-length sequence no work).
@@ -38,10 +42,28 @@ class TKAttentionMetadata:
     # included), laid out request-major in the first decode_batch * decode_query_len query rows.
     decode_batch: int = 0
     decode_query_len: int = 0
+    # > 0 (mixed batches only): the first num_decodes requests have one query token each and go through the
+    # decode op; the others through the prefill op with prefill_query_start_loc (query_start_loc[num_decodes:]
+    # shifted to start at 0).
+    num_decodes: int = 0
+    prefill_query_start_loc: torch.Tensor | None = None
 
     @property
     def is_uniform_decode(self) -> bool:
         return self.decode_batch > 0
+
+
+# A mixed batch's leading single-token requests go through the decode op when there are at least this many;
+# fewer cost the prefill kernel little, next to the decode op's three launches. An estimate, not yet tuned.
+MIN_SPLIT_DECODES = 8
+
+
+def leading_single_token_requests(query_start_loc_cpu: torch.Tensor) -> int:
+    """How many requests at the front of the batch have exactly one query token (host copy: no sync)."""
+    lens = query_start_loc_cpu.numpy()
+    lens = lens[1:] - lens[:-1]
+    others = (lens != 1).nonzero()[0]
+    return int(others[0]) if len(others) else len(lens)
 
 
 def uniform_decode_shape(query_start_loc_cpu: torch.Tensor, max_query_len: int) -> tuple[int, int] | None:
@@ -66,6 +88,7 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
     # graph of it would not replay correctly for longer sequences.
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     supports_update_block_table = True
+    reorder_batch_threshold = 1  # single-token requests first: mixed batches split (module docstring)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -92,6 +115,13 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
         num_reqs = cm.num_reqs
         shape = uniform_decode_shape(cm.query_start_loc_cpu[: num_reqs + 1], cm.max_query_len)
         decode_batch, decode_query_len = shape if shape is not None else (0, 0)
+        num_decodes, prefill_query_start_loc = 0, None
+        if shape is None:
+            num_decodes = leading_single_token_requests(cm.query_start_loc_cpu[: num_reqs + 1])
+            if MIN_SPLIT_DECODES <= num_decodes < num_reqs:
+                prefill_query_start_loc = cm.query_start_loc[num_decodes: num_reqs + 1] - num_decodes
+            else:
+                num_decodes = 0
         return TKAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
@@ -102,6 +132,8 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
             slot_mapping=cm.slot_mapping,
             decode_batch=decode_batch,
             decode_query_len=decode_query_len,
+            num_decodes=num_decodes,
+            prefill_query_start_loc=prefill_query_start_loc,
         )
 
     def update_block_table(
