@@ -36,6 +36,7 @@ GREEDY_TOKENS = 48
 WORKER_TIMEOUT_S = 1200
 # Noise margins for "at least as well as TRITON_ATTN": one agreement in ~200 positions, 25% on the worst logprob
 # gap (a max over ~30k positions is itself noisy), and 10% on the mean greedy prefix.
+KV_CACHE_BYTES = 4 << 30  # each engine's, fixed: the engines of one test run at once (harness.run_workers)
 TOP1_MARGIN = 0.005
 MAX_DIFF_FACTOR, MAX_DIFF_SLACK = 1.25, 0.02
 PREFIX_FACTOR = 0.9
