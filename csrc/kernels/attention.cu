@@ -1,11 +1,12 @@
 // Attention prefill on kittens (varlen, causal, sliding window, softcap, GQA, paged K/V).
 //
-// A task is (sequence, query head, 128-row query block); tasks run longest-first on a persistent grid. The
+// A task is (sequence, query head, 128- or 192-row query block); tasks run longest-first on a persistent grid. The
 // producer warpgroup streams K and V tiles through a TMA ring: one box per tile for packed K/V, one box
 // per 16-row page piece for paged caches (16 divides every supported block size). Each consumer warpgroup
 // owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
-// (masks only on tiles that need them), then O += P V with P straight from registers. The two consumers
-// take turns on the tensor cores (ping-pong), and each overlaps its softmax with its previous P V.
+// (masks only on tiles that need them), then O += P V with P straight from registers. The consumers (two,
+// or three: three_consumers) take turns on the tensor cores, and each overlaps its softmax with its
+// previous P V (except three at D=128: `serial`).
 #include <algorithm>
 #include "../kittens/kittens.cuh"
 #include "attention.h"
@@ -17,9 +18,18 @@ namespace {
 
 using tk::attn::LOG2E;
 
-template <typename T, int D>
+template <typename T, int D, int C>
 struct attn_prefill {
-  static constexpr int consumers = 2, QROWS = 64, BQ = consumers * QROWS;
+  // C consumers, 64 query rows each. Three (D=64 and D=128; 192 queries a task): each K/V tile loaded serves
+  // 1.5x the queries of two. D=128 then has 160 registers a thread, too few to hold the next tile's scores beside the previous tile's
+  // probabilities: its consumers run each tile's S = Q K^T, softmax and P V in turn (`serial`), and the
+  // other two consumers' products keep the tensor cores busy meanwhile (ThunderKittens' H100 forward);
+  // D=64 keeps the overlapped order. With serial tiles a stage is free once its P V is done (release lag 0),
+  // so two stages keep a tile in flight.
+  static_assert(C == 2 || (C == 3 && D <= 128), "two consumers, or three at D <= 128");
+  static constexpr int consumers = C, QROWS = 64, BQ = consumers * QROWS;
+  static constexpr bool serial = C == 3 && D == 128;
+  static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
   // release order): K_j goes back as soon as S_j = Q K_j^T has run, V_j once P_j V_j has, so the producer
@@ -28,7 +38,7 @@ struct attn_prefill {
   // D=64 and 44% slower paged at D=128, so the smaller head dims keep their pairs.)
   static constexpr bool staggered = D == 256;
   static constexpr int KV = D == 256 ? 80 : 128;
-  static constexpr int stages = D == 128 ? 3 : 4;
+  static constexpr int stages = D == 128 ? (serial ? 2 : 3) : 4;
   static constexpr int SLOTS = staggered ? 2 : 1;  // ring slots a K/V tile takes
   static constexpr int PAGE_PIECE = 16;
   using q_tile = st<T, QROWS, D>;
@@ -81,9 +91,10 @@ struct attn_prefill {
     // iters: ring slots, SLOTS a K/V tile
     bool valid;
   };
-  // The two consumers take turns issuing their matrix products (barriers TURN + consumer), so one's
-  // softmax runs while the other's products keep the tensor cores busy.
-  static constexpr int TURN = 3, BOTH = 2 * WARPGROUP_THREADS;
+  // The consumers take turns issuing their matrix products, round robin (barriers TURN + consumer, after the
+  // warpgroups' own 1..consumers), so one's softmax runs while another's products keep the tensor cores busy.
+  static constexpr int TURN = 1 + consumers, BOTH = 2 * WARPGROUP_THREADS;
+  __device__ static int next_turn(int wg) { return TURN + (wg + 1 == consumers ? 0 : wg + 1); }
 
   __device__ static void init_scratch(scratch_block& s) {
     for (int c = 0; c < consumers; c++) init_semaphore(s.q_ready[c], 1);
@@ -98,7 +109,7 @@ struct attn_prefill {
     reset_accumulators(s);
     s.q_phase = 0;
     s.v_prev = nullptr;
-    if (wg == 1) warpgroup::arrive_at(TURN + 0, BOTH);  // consumer 0 goes first
+    if (wg == consumers - 1) warpgroup::arrive_at(TURN + 0, BOTH);  // consumer 0 goes first
   }
   __device__ static tk::attn::scoring scoring(const globals& g) { return {g.scale_log2, g.softcap}; }
 
@@ -170,12 +181,16 @@ struct attn_prefill {
   // (Staggered, lcsf calls this once a K/V tile, `it` = j, with K_j's slot; V_{j-1}'s is held too.)
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int wg) {
+    if constexpr (serial) {
+      serial_tile(s, in, scratch, g, t, it, wg);
+      return;
+    }
     s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     mul_row(s.o, s.o, s.rescale);  // o is idle here: only S_j is in flight
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
-    warpgroup::arrive_at(TURN + (1 - wg), BOTH);
+    warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
     softmax(s, att, g, t, it, wg);
     warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: p is free
@@ -187,22 +202,58 @@ struct attn_prefill {
   // A task's first tile: load the queries, then S_0 alone.
   __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                        const task_t& t, int wg) {
-    if (warpgroup::thread() == 0) {
-      tma::store_wait_read<0>();  // the previous task's output has left the buffer
-      expect_bytes(scratch.q_ready[wg], tma::bytes<q_tile>());
-      tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + wg * QROWS}, scratch.q_ready[wg]);
+    if (!idle(t, wg)) {
+      if (warpgroup::thread() == 0) {
+        tma::store_wait_read<0>();  // the previous task's output has left the buffer
+        expect_bytes(scratch.q_ready[wg], tma::bytes<q_tile>());
+        tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + wg * QROWS}, scratch.q_ready[wg]);
+      }
+      wait(scratch.q_ready[wg], s.q_phase);
+      s.q_phase ^= 1;
     }
-    wait(scratch.q_ready[wg], s.q_phase);
-    s.q_phase ^= 1;
+    if constexpr (serial) {
+      serial_tile(s, in, scratch, g, t, 0, wg);
+      return;
+    }
     s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
-    warpgroup::arrive_at(TURN + (1 - wg), BOTH);
+    warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
     softmax(s, att, g, t, 0, wg);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
     s.v_prev = v_of(in);
+  }
+
+  // Serial order (see `serial`): tile `it`'s scores, softmax and P V, all done on return. Its rows past the
+  // sequence's end are zeroed in V first on the last tile (see drain).
+  __device__ static void serial_tile(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
+                                     const task_t& t, int it, int wg) {
+    s_tile att;
+    warpgroup::sync_with(TURN + wg, BOTH);
+    if (idle(t, wg)) {  // keeps its turn, skips the work
+      warpgroup::arrive_at(next_turn(wg), BOTH);
+      return;
+    }
+    warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
+    warpgroup::arrive_at(next_turn(wg), BOTH);
+    warpgroup::mma_async_wait<0>();
+    softmax(s, att, g, t, it, wg);
+    mul_row(s.o, s.o, s.rescale);
+    rt<T, 16, KV> p;
+    copy(p, att);
+    if (it == t.iters - 1) zero_tail(v_of(in), t, wg);
+    warpgroup::mma_AB(s.o, p, *v_of(in));
+    warpgroup::mma_async_wait<0>();
+  }
+  // Serial order: a consumer whose 64 rows all lie past the sequence's end (the last query block of a
+  // sequence that is not a multiple of 192 long) loads and computes nothing. (The overlapped order computes
+  // them: its products and the pipeline's release points would need a branch around the wgmma.)
+  __device__ static bool idle(const task_t& t, int wg) { return serial && t.qb * BQ + wg * QROWS >= t.lq; }
+  __device__ static void zero_tail(const kv_tile* v, const task_t& t, int wg) {
+    const int tail = t.lk - (t.first + t.iters / SLOTS - 1) * KV;
+    if (tail < KV) warpgroup::zero_rows(v->ref(), tail, 1 + wg);
   }
 
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
@@ -217,8 +268,8 @@ struct attn_prefill {
   // whatever the page held (paged) or the next sequence's keys: masked (P = 0), but 0 * NaN is NaN in P V,
   // so they are zeroed first. Each consumer clears them before its own P V (both write the same zeros).
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int wg) {
-    const int tail = t.lk - (t.first + t.iters / SLOTS - 1) * KV;
-    if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1 + wg);
+    if constexpr (serial) return;  // every tile's P V is done in its own compute
+    zero_tail(s.v_prev, t, wg);
     mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);
@@ -275,9 +326,18 @@ inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim) {
   return int(std::clamp<long>(kv_heads * gqa, 1, pairs));
 }
 
-template <typename T, int D>
+// Three consumers (192-row query blocks) pay off unless the mask is causal over short sequences: there the
+// longest tasks (a sequence's last query block, run first) are the ragged ones, whose idle consumers leave
+// the tensor cores to one or two, and the triangle's partly masked tiles grow with the block (session 9 on
+// the H200, same-call A/B against two consumers: full 0.89-0.98, causal n=16384 0.91-0.98, varlen causal up
+// to 8000 tokens 0.95, a 4k chunk over a 28k prefix 0.89; but causal n=1024 and n=4096 1.06-1.12).
+inline bool three_consumers(const tk::attn_varlen_problem& p) {
+  return p.head_dim <= 128 && (!p.causal || p.max_seqlen_k > 4096);
+}
+
+template <typename T, int D, int C>
 void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
-  using K = attn_prefill<T, D>;
+  using K = attn_prefill<T, D, C>;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   const bool paged = p.block_table != nullptr;
   typename K::globals g{};
@@ -316,9 +376,9 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
 template <typename T>
 void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return run<T, 64>(p, num_sms, stream);
-    case 128: return run<T, 128>(p, num_sms, stream);
-    case 256: return run<T, 256>(p, num_sms, stream);
+    case 64: return three_consumers(p) ? run<T, 64, 3>(p, num_sms, stream) : run<T, 64, 2>(p, num_sms, stream);
+    case 128: return three_consumers(p) ? run<T, 128, 3>(p, num_sms, stream) : run<T, 128, 2>(p, num_sms, stream);
+    case 256: return run<T, 256, 2>(p, num_sms, stream);
   }
 }
 

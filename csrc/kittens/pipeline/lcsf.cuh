@@ -85,7 +85,9 @@ template <typename K> consteval bool dynamic_tasks() {
   if constexpr (requires { K::dynamic; }) return K::dynamic;
   else return false;
 }
-template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 24 : 40;
+// The producer's registers: 40 beside two consumers; beside three, 32 (3 x 160 + 32 fill the file exactly, so
+// the consumers keep 160; 24 made the paged loads' page lookups spill).
+template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 32 : 40;
 // What is left of the 64K-register file, split over the consumers (at most 240 a thread).
 template <kernel_policy K> constexpr int consumer_registers =
     std::min(240, ((65536 / WARPGROUP_THREADS - producer_registers<K>) / K::consumers) / 8 * 8);
