@@ -40,7 +40,8 @@ struct scoring {
 };
 
 // One online-softmax step on a warp's score tile `att` whose first row / column are row0 / col0:
-// masks what `vis` hides (only when the tile needs it), folds the tile into the running max m and sum l,
+// masks what `vis` hides (only when the tile needs it), folds the tile into the running max m and sum l (l in
+// per-lane shares: the lanes holding a row each sum their own columns; finalize combines them),
 // turns att into unnormalised probabilities and leaves in `rescale` the factor the output accumulated so
 // far must take. m is kept in score units; a row that has seen no key yet keeps m = -inf.
 template <typename S, typename V, typename Visibility>
@@ -56,22 +57,22 @@ __device__ __forceinline__ void online_softmax(S& att, V& m, V& l, V& rescale, c
   }
   if (vis.partial(row0, S::rows, col0, S::cols)) mask(att, att, row0, col0, vis, -INFINITY);
   const float es = sc.exp_scale();
-  V m_new, base, sum;
+  V m_new, base;
   row_max(m_new, att, m);
   map(base, m_new, [es](float x) { return x == -INFINITY ? 0.f : x * es; });  // a row masked so far: 0
   map(rescale, m, base, [es](float x, float b) { return fast_exp2(x * es - b); });
   map_row(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
-  row_sum(sum, att);
   map(l, l, rescale, [](float x, float r) { return x * r; });
-  add(l, l, sum);
+  row_sum_share(l, att, l);  // l in shares: the lanes of a row are combined once, in finalize
   copy(m, m_new);
 }
 
 // o /= l, and the natural-log LSE of each row (-inf and o = 0 for a row that saw no key).
 template <typename O, typename V>
-__device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l, const scoring& sc) {
+__device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l_shares, const scoring& sc) {
   using namespace kittens;
-  V inv;
+  V l, inv;
+  lanes_row_sum<O>(l, l_shares);  // online_softmax keeps l in per-lane shares
   map(inv, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
   mul_row(o, o, inv);
   const float es = sc.exp_scale();

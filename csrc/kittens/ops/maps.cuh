@@ -137,8 +137,9 @@ template <register_vector V> __device__ __forceinline__ void copy(V& d, const V&
 
 // ---- reductions ------------------------------------------------------------------------------------
 namespace detail {
-// out = reduce over rows (AlongRows: one result per row) or columns of t, folded into init if given.
-template <bool AlongRows, typename Op, register_tile RT, register_vector V>
+// out = reduce over rows (AlongRows: one result per row) or columns of t, folded into init if given. Without
+// AcrossLanes each lane keeps its own share (the lanes holding one row or column are not combined).
+template <bool AlongRows, typename Op, register_tile RT, register_vector V, bool AcrossLanes = true>
 __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
   using F = frag<typename RT::layout>;
   static_assert(V::length == (AlongRows ? RT::rows : RT::cols) &&
@@ -168,8 +169,9 @@ __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
   for (int b = 0; b < V::blocks; b++)
 #pragma unroll
     for (int s = 0; s < V::per_lane; s++) {
+      if constexpr (AcrossLanes)
 #pragma unroll
-      for (int m = lo; m <= hi; m <<= 1) acc[b][s] = Op::apply(acc[b][s], __shfl_xor_sync(0xffffffffu, acc[b][s], m));
+        for (int m = lo; m <= hi; m <<= 1) acc[b][s] = Op::apply(acc[b][s], __shfl_xor_sync(0xffffffffu, acc[b][s], m));
       const float folded = init ? Op::apply(convert<float>(init->data[b][s]), acc[b][s]) : acc[b][s];
       out.data[b][s] = convert<typename V::dtype>(folded);
     }
@@ -207,6 +209,27 @@ TK_REDUCTION(col_max, false, op::max)
 TK_REDUCTION(col_min, false, op::min)
 TK_REDUCTION(col_sum, false, op::add)
 #undef TK_REDUCTION
+
+// Row sums in shares: each lane adds only its own columns of each row (folded into its share in init), no
+// exchange between the lanes that hold a row. A running sum kept this way (online softmax's) is combined
+// once, by lanes_row_sum, instead of at every tile.
+template <register_vector V, register_tile RT>
+__device__ __forceinline__ void row_sum_share(V& out, const RT& t, const V& init) {
+  detail::reduce<true, op::add, RT, V, false>(out, t, &init);
+}
+// out = the full row sums from the lanes' shares in v, for vectors of tiles shaped like RT.
+template <register_tile RT, register_vector V> __device__ __forceinline__ void lanes_row_sum(V& out, const V& v) {
+  using F = frag<typename RT::layout>;
+#pragma unroll
+  for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+    for (int s = 0; s < V::per_lane; s++) {
+      float x = convert<float>(v.data[b][s]);
+#pragma unroll
+      for (int m = F::row_shuffle_lo; m <= F::row_shuffle_hi; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+      out.data[b][s] = convert<typename V::dtype>(x);
+    }
+}
 
 // dst = f(src, v[row]) / f(src, v[col]): any fused per-row or per-column update in one pass.
 template <register_tile D, register_tile S, register_vector V, typename F>
