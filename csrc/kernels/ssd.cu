@@ -19,7 +19,15 @@ using namespace kittens;
 
 namespace {
 
-constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LOG2E = 1.4426950408889634f, LN2 = 0.6931471805599453f;
+
+// softplus(v) = ln(1 + e^v) as ex2 and lg2 on the special-function unit, v > 20 passed through (as mamba_ssm
+// does). Absolute error about 2e-7 (lg2.approx's, times ln 2; where e^v < 2^-24 the sum rounds to 1 and the
+// result to 0): far below what a bf16 output resolves, at two MUFU ops where log1pf is a ~20-instruction
+// polynomial on the scan's dt path, which each chunk's state update waits for.
+__device__ __forceinline__ float softplus(float v) {
+  return v <= 20.f ? fast_log2(1.f + fast_exp2(v * LOG2E)) * LN2 : v;
+}
 
 // Dynamic: a ragged batch, whose tasks differ in length: CTAs claim them (lcsf's dynamic tasks). A fixed batch
 // keeps the stride order: there the claims only add an atomic round trip per task (measured 7% at n=1024).
@@ -140,7 +148,7 @@ struct ssd_scan_kernel {
 #pragma unroll
     for (int e = 0; e < 2; e++) {
       float v = s.dt_raw[e] + bias;
-      if (g.softplus) v = v <= 20.f ? log1pf(__expf(v)) : v;
+      if (g.softplus) v = softplus(v);
       v = fminf(fmaxf(v, g.dt_min), g.dt_max);
       d[e] = it * L + 2 * laneid() + e < t.len ? v : 0.f;
     }
@@ -218,12 +226,13 @@ struct ssd_scan_kernel {
     warpgroup::mma_async_wait<1>();  // the state update is done (groups retire in order)
 
     warpgroup::store(sc.S[c].ref(), s.S);  // this chunk's C S^T has finished reading the old one
-    fence_async_shared();
     warpgroup::mma_async_wait<0>();
-    epilogue(y, in, sc, g, t, it, c);
+    epilogue(y, in, sc, g, t, it, c);  // its proxy fence covers the S store too (one fence a chunk, not two)
     warpgroup::sync(1 + c);  // the new S is complete before the next chunk's products read it
   }
 
+  // Ends with a proxy fence on every path: the caller's shared-memory writes before it (the new S) are then
+  // visible to the async proxy (the next chunk's wgmma) as well as this chunk's output piece (its TMA store).
   __device__ static void epilogue(rt_fl<16, P>& y, input_block& in, scratch_block& sc, const globals& g,
                                   const task_t& t, int it, int c) {
     const int w = warpgroup::warp(), head = t.head_of(c), row = t.start + it * L;
@@ -241,7 +250,10 @@ struct ssd_scan_kernel {
         return v * zv / (1.f + __expf(-zv));
       });
     }
-    if (!t.valid_of(c)) return;
+    if (!t.valid_of(c)) {
+      fence_async_shared();
+      return;
+    }
     if (t.len - it * L >= L) {  // a whole chunk: each warp sends its 16 rows through one TMA store
       const auto piece = sc.y[c][w].ref();
       if (laneid() == 0) tma::store_wait_read<0>();
@@ -255,6 +267,7 @@ struct ssd_scan_kernel {
       }
     } else {  // the sequence ends inside this chunk: its rows only (the next sequence's rows follow)
       warpgroup::store(g.y, y, {.b = t.b, .d = head, .row = row, .col = t.col_of(c)}, long(t.start) + t.len);
+      fence_async_shared();
     }
   }
 
@@ -364,7 +377,7 @@ __global__ void __launch_bounds__(128) ssd_update_kernel(const tk::ssd_update_pr
   for (int row = warpid(); row < p.headdim; row += 4) {
     float dt = p.dt[b * p.dt_strides[0] + h * p.dt_strides[1] + row * p.dt_strides[2]];
     if (p.dt_bias) dt += p.dt_bias[h * p.dt_bias_strides[0] + row * p.dt_bias_strides[1]];
-    if (p.dt_softplus) dt = dt <= 20.f ? log1pf(__expf(dt)) : dt;
+    if (p.dt_softplus) dt = softplus(dt);
     const float xv = convert<float>(x[row]);
     const float* A = p.A + h * p.A_strides[0] + row * p.A_strides[1];
     S* srow = state + row * p.state_strides[2];
