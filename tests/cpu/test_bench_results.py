@@ -212,3 +212,55 @@ def test_ncu_pair_gemm_snippet_calls_gemm_as_its_signature_allows(monkeypatch):
 
     calls = _run_snippet_on_cpu(ncu_pair.GEMM.format(repo=".", side="tk", shape=(64, 32, 16)), ["gemm"], monkeypatch)
     assert calls == [("gemm", (64, 16))] * 4
+
+
+# A stand-in for serve.py's worker, with its protocol: a "ready" reply, then a reply a case line; "quit" ends.
+# argv: ORDER_LOG IMPL FAIL_AT --replies PATH. It appends "IMPL CASE" to ORDER_LOG as it runs a case, and
+# crashes at its FAIL_AT-th case (0: never).
+_FAKE_SERVE_WORKER = """
+import json, sys, time
+order_log, impl, fail_at, replies = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[5]
+print("a vLLM log line on stdout", flush=True)
+with open(replies, "a") as f:
+    f.write(json.dumps({"ready": True}) + "\\n")
+n = 0
+for line in sys.stdin:
+    case = line.strip()
+    if case == "quit":
+        break
+    n += 1
+    if n == fail_at:
+        sys.exit(3)
+    with open(order_log, "a") as f:
+        f.write(f"{impl} {case}\\n")
+    time.sleep(0.01)
+    with open(replies, "a") as f:
+        f.write(json.dumps({"case": case, "seconds": 0.5 + n / 100, "tokens": 7}) + "\\n")
+"""
+
+
+def test_serve_bench_interleaves_the_engines_runs(tmp_path):
+    """One engine at a time, every case once per engine a round, the order rotating; a crashed engine is left
+    out and the others carry on."""
+    import os
+
+    from benches import serve
+
+    script, order_log = tmp_path / "fake_worker.py", tmp_path / "order.log"
+    script.write_text(_FAKE_SERVE_WORKER)
+    engines = [serve.Engine(impl, [sys.executable, str(script), str(order_log), impl, str(fail_at)],
+                            dict(os.environ), tmp_path) for impl, fail_at in (("a", 0), ("b", 0), ("c", 4))]
+    try:
+        runs = serve.interleaved_runs(engines, ["x", "y"], repeats=3)
+    finally:
+        for e in engines:
+            e.close()
+    order = order_log.read_text().splitlines()
+    assert order[:6] == ["a x", "b x", "c x", "a y", "b y", "c y"]  # round 0
+    assert order[6:9] == ["b x", "c x", "a x"]  # round 1 starts at b; c crashes at its 4th case (y)
+    assert order[9:11] == ["b y", "a y"]  # c is out
+    assert order[11:] == ["a x", "b x", "a y", "b y"]  # round 2 of the two left
+    assert sorted(runs) == ["a", "b"]
+    assert all(len(runs[impl][case]) == 3 for impl in runs for case in ("x", "y"))
+    assert runs["a"]["x"][0] == (0.51, 7)
+    assert all(e.proc.poll() is not None for e in engines)
