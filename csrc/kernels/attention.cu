@@ -1,9 +1,9 @@
 // Attention prefill on kittens (varlen, causal, sliding window, softcap, GQA, paged K/V).
 //
-// A task is (sequence, query head, 128- or 192-row query block); tasks run longest-first on a persistent grid. The
-// producer warpgroup streams K and V tiles through a TMA ring: one box per tile for packed K/V, one box
-// per 16-row page piece for paged caches (16 divides every supported block size). Each consumer warpgroup
-// owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
+// A task is (sequence, query head, 128- or 192-row query block); tasks run longest-first on a persistent
+// grid. The producer warpgroup streams K and V tiles through a TMA ring: one box per tile for packed K/V,
+// one box per 16-row page piece for paged caches (16 divides every supported block size). Each consumer
+// warpgroup owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
 // (masks only on tiles that need them), then O += P V with P straight from registers. The consumers (two,
 // or three: three_consumers) take turns on the tensor cores, and each overlaps its softmax with its
 // previous P V (except three at D=128: `serial`).
@@ -21,11 +21,11 @@ using tk::attn::LOG2E;
 template <typename T, int D, int C>
 struct attn_prefill {
   // C consumers, 64 query rows each. Three (D=64 and D=128; 192 queries a task): each K/V tile loaded serves
-  // 1.5x the queries of two. D=128 then has 160 registers a thread, too few to hold the next tile's scores beside the previous tile's
-  // probabilities: its consumers run each tile's S = Q K^T, softmax and P V in turn (`serial`), and the
-  // other two consumers' products keep the tensor cores busy meanwhile (ThunderKittens' H100 forward);
-  // D=64 keeps the overlapped order. With serial tiles a stage is free once its P V is done (release lag 0),
-  // so two stages keep a tile in flight.
+  // 1.5x the queries of two. D=128 then has 160 registers a thread, too few to hold the next tile's scores
+  // beside the previous tile's probabilities: its consumers run each tile's S = Q K^T, softmax and P V in
+  // turn (`serial`), and the other two consumers' products keep the tensor cores busy meanwhile
+  // (ThunderKittens' H100 forward); D=64 keeps the overlapped order. With serial tiles a stage is free once
+  // its P V is done (release lag 0), so two stages keep a tile in flight.
   static_assert(C == 2 || (C == 3 && D <= 128), "two consumers, or three at D <= 128");
   static constexpr int consumers = C, QROWS = 64, BQ = consumers * QROWS;
   static constexpr bool serial = C == 3 && D == 128;
