@@ -2,7 +2,6 @@
 states, ragged lengths, D, z, groups, both head and state dims), decode updates, prefill-then-decode."""
 from __future__ import annotations
 
-import math
 import random
 
 import pytest

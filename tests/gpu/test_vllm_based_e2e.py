@@ -89,7 +89,7 @@ def run_vllm_worker(model_dir: str, mode: str, out: str) -> None:
     llm = LLM(
         model=model_dir, attention_backend="TK", seed=0, max_model_len=2048, max_num_seqs=64,
         max_num_batched_tokens=512, enable_chunked_prefill=True, enable_prefix_caching=False,
-        gpu_memory_utilization=0.4, enforce_eager=(mode == "eager"),
+        gpu_memory_utilization=0.1, kv_cache_memory_bytes=harness.E2E_KV_CACHE_BYTES, enforce_eager=(mode == "eager"),
     )
     token_logprobs, top1 = prompt_logprobs(llm, prompts)
     tokens = greedy_tokens(llm, prompts, GREEDY_TOKENS)
@@ -97,16 +97,14 @@ def run_vllm_worker(model_dir: str, mode: str, out: str) -> None:
                                      "greedy": tokens}))
 
 
-def _run(model_dir: Path, kind: str, mode: str, out_dir: Path) -> dict:
-    out = out_dir / f"{kind}_{mode}.json"
-    if not out.exists():
-        # plugins (and the model registration) load in spawned workers
-        env = harness.vllm_env(VLLM_WORKER_MULTIPROC_METHOD="spawn")
-        command = [sys.executable, "-m", "tests.gpu.test_vllm_based_e2e", "--worker", kind, "--model", str(model_dir),
-                   "--mode", mode, "--out", str(out)]
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-        assert proc.returncode == 0, f"{kind}-{mode} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out.read_text())
+def _run(model_dir: Path, out_dir: Path, *runs: tuple[str, str]) -> list[dict]:
+    """The results of each (kind, mode) worker, the missing ones run at once (harness.run_workers)."""
+    # plugins (and the model registration) load in spawned workers
+    env = harness.vllm_env(VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    jobs = [(out_dir / f"{kind}_{mode}.json",
+             [sys.executable, "-m", "tests.gpu.test_vllm_based_e2e", "--worker", kind, "--model", str(model_dir),
+              "--mode", mode, "--out", str(out_dir / f"{kind}_{mode}.json")], env) for kind, mode in runs]
+    return harness.run_workers(jobs, cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -129,10 +127,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 def test_vllm_based_agrees_with_transformers(model_dir):
     out_dir = model_dir.parent
-    fp32 = _run(model_dir, "hf", "fp32", out_dir)
-    hf_tk = _run(model_dir, "hf", "tk", out_dir)
-    graph = _run(model_dir, "vllm", "graph", out_dir)
-    eager = _run(model_dir, "vllm", "eager", out_dir)
+    fp32, hf_tk, graph, eager = _run(model_dir, out_dir, ("hf", "fp32"), ("hf", "tk"), ("vllm", "graph"),
+                                     ("vllm", "eager"))
     top1, diff = teacher_forced(graph, hf_tk)
     print(f"vllm-graph vs hf-tk: top-1 {top1:.4f}, max |dlogprob| {diff:.4f}, greedy prefix "
           f"{greedy_prefix(graph, hf_tk):.1f}/{GREEDY_TOKENS}; vllm-graph vs vllm-eager greedy prefix "

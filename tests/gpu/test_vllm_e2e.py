@@ -36,7 +36,6 @@ GREEDY_TOKENS = 48
 WORKER_TIMEOUT_S = 1200
 # Noise margins for "at least as well as TRITON_ATTN": one agreement in ~200 positions, 25% on the worst logprob
 # gap (a max over ~30k positions is itself noisy), and 10% on the mean greedy prefix.
-KV_CACHE_BYTES = 4 << 30  # each engine's, fixed: the engines of one test run at once (harness.run_workers)
 TOP1_MARGIN = 0.005
 MAX_DIFF_FACTOR, MAX_DIFF_SLACK = 1.25, 0.02
 PREFIX_FACTOR = 0.9
@@ -67,7 +66,7 @@ def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1
     llm = LLM(
         model=model, attention_backend=backend, tensor_parallel_size=tensor_parallel_size, seed=0,
         max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, enable_chunked_prefill=True,
-        enable_prefix_caching=True, gpu_memory_utilization=0.1, kv_cache_memory_bytes=KV_CACHE_BYTES,
+        enable_prefix_caching=True, gpu_memory_utilization=0.1, kv_cache_memory_bytes=harness.E2E_KV_CACHE_BYTES,
         enforce_eager=False,
     )
     token_logprobs, top1 = prompt_logprobs(llm, prompts)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,7 +75,8 @@ def run_worker(model: str, path: str, enable: str, out: str) -> None:
         extra["dtype"] = "float32"
     llm = LLM(
         model=model, seed=0, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512,
-        enable_chunked_prefill=True, enable_prefix_caching=False, gpu_memory_utilization=0.4, enforce_eager=False,
+        enable_chunked_prefill=True, enable_prefix_caching=False, gpu_memory_utilization=0.1,
+        kv_cache_memory_bytes=harness.E2E_KV_CACHE_BYTES, enforce_eager=False,
         **extra,
     )
     token_logprobs, top1 = prompt_logprobs(llm, prompts)
@@ -87,9 +87,11 @@ def run_worker(model: str, path: str, enable: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def _run(model_dir: Path, path: str, enable: str, out_dir: Path) -> dict:
-    out = out_dir / f"{path}_{enable}.json"
-    if not out.exists():
+def _run(model_dir: Path, enable: str, out_dir: Path, *paths: str) -> list[dict]:
+    """The results of each path's engine, the missing ones run at once (harness.run_workers)."""
+    jobs = []
+    for path in paths:
+        out = out_dir / f"{path}_{enable}.json"
         env = harness.vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in this process: STATS readable
         env.pop("TK_MAMBA", None)
         if path in ("triton", "triton32"):
@@ -98,11 +100,14 @@ def _run(model_dir: Path, path: str, enable: str, out_dir: Path) -> dict:
             env["TK_MAMBA"] = "1"
         command = [sys.executable, "-m", "tests.gpu.test_vllm_mamba_e2e", "--worker", "--model", str(model_dir),
                    "--path", path, "--enable", enable, "--out", str(out)]
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-        assert proc.returncode == 0, f"{path} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        tk_lines = [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "tk_backend" in line]
-        print(f"{path} worker's tk_backend log lines:", *tk_lines[:10], sep="\n  ")
-    return json.loads(out.read_text())
+        jobs.append((out, command, env))
+    results = harness.run_workers(jobs, cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
+    for out, _, _ in jobs:
+        log = out.with_suffix(".log")
+        tk_lines = [line for line in log.read_text(errors="replace").splitlines() if "tk_backend" in line] \
+            if log.exists() else []
+        print(f"{out.stem} worker's tk_backend log lines:", *tk_lines[:10], sep="\n  ")
+    return results
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -129,9 +134,7 @@ def test_tk_ssd_agrees_with_vllm_triton_like_two_correct_paths(workdir, preset, 
     from build_tiny_mamba2 import build
 
     model = build(workdir / preset, preset=preset)
-    fp32 = _run(model, "triton32", enable, workdir / preset)
-    triton = _run(model, "triton", enable, workdir / preset)
-    tk = _run(model, "tk", enable, workdir / preset)
+    fp32, triton, tk = _run(model, enable, workdir / preset, "triton32", "triton", "tk")
     stats_tk = tk["stats"]
     assert stats_tk.get("tk_scan", 0) > 0 and stats_tk.get("tk_update", 0) > 0, \
         f"TK's ops did not run in the TK worker (TK switched on by {enable}): {stats_tk}"

@@ -31,23 +31,31 @@ def workdir(tmp_path_factory, name: str) -> Path:
     return tmp_path_factory.mktemp(name)
 
 
+# Each e2e engine's KV cache (or Mamba state), fixed: the engines of one test run at once (run_workers). The tiny
+# test models need far less.
+E2E_KV_CACHE_BYTES = 4 << 30
+
+
 def run_workers(jobs: list[tuple[Path, list[str], dict[str, str]]], cwd: Path, timeout_s: float) -> list[dict]:
     """Runs each (out, command, env) whose `out` does not exist yet, all at once, each in its own process, and
-    returns every job's results (the JSON its worker wrote to `out`). Concurrent engines must not size their KV
-    cache by profiling free memory (another engine's allocations would count as theirs): set
-    kv_cache_memory_bytes in the workers."""
-    procs = [(out, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True))
-             for out, command, env in jobs if not out.exists()]
+    returns every job's results (the JSON its worker wrote to `out`); a worker's stdout and stderr go to `out`
+    with the suffix .log. Concurrent engines must not size their KV cache by profiling free memory (another
+    engine's allocations would count as theirs): set kv_cache_memory_bytes in the workers."""
+    procs = []
+    for out, command, env in jobs:
+        if not out.exists():
+            with open(out.with_suffix(".log"), "w") as log:
+                procs.append((out, subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)))
     deadline = time.monotonic() + timeout_s
     failures = []
     for out, proc in procs:
         try:
-            log, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
-            log, _ = proc.communicate()
+            proc.wait()
         if proc.returncode != 0:
+            log = out.with_suffix(".log").read_text(errors="replace")
             failures.append(f"{out.name} worker failed (rc {proc.returncode}):\n{log[-6000:]}")
     assert not failures, "\n\n".join(failures)
     return [json.loads(out.read_text()) for out, _, _ in jobs]
