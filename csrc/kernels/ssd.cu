@@ -196,16 +196,16 @@ struct ssd_scan_kernel {
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& sc, const globals& g,
                                  const task_t& t, int it, int c) {
     const int w = warpgroup::warp();
-    const float* dA = sc.dA[c][w];
-    const float* gj = sc.g[c][w];
-    const float* wj = sc.w[c][w];
+    float* dA = sc.dA[c][w];  // written by chunk_decay below, then read by the masks and the state update
+    float* gj = sc.g[c][w];
+    float* wj = sc.w[c][w];
 
     rt_fl<16, L> att;
     rt_fl<16, P> y;
     warpgroup::mm_ABt(att, in.C, in.B);
     warpgroup::mm_ABt(y, in.C, sc.S[c]);
     // While those run (they read neither dt nor the decay): the chunk's decay factors, and S's decay.
-    const float dA_last = chunk_decay(s, g, t, it, c, sc.dA[c][w], sc.g[c][w], sc.w[c][w]);
+    const float dA_last = chunk_decay(s, g, t, it, c, dA, gj, wj);
     mul(s.S, s.S, fast_exp2(dA_last));
     // The state update next, ahead of the masked products: it is the chain from chunk to chunk (the next
     // chunk's C S^T waits for it), and it needs only x, B and the decay. Its A operand x^T, token j weighted
