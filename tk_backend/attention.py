@@ -32,14 +32,15 @@ _VARLEN_ARGS = (
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
 # Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
-# and the plan's chunk_tokens / item_overhead exactly as decode_plan.build_work_list does (a schedule kernel),
+# and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (a
+# schedule kernel),
 # then runs the kernel and merges partial_out / partial_lse (see decode_plan's docstring for their layout).
 # The kernels are csrc/kernels/decode.cu; flash_attn_with_kvcache reaches them through _decode_split.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
-    "int chunk_tokens, int item_overhead, float softmax_scale, bool causal, int window_left, int window_right, "
-    "float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
+    "int chunk_tokens, int item_overhead, int coarsen_levels, float softmax_scale, bool causal, int window_left, "
+    "int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
 )
 
 
@@ -428,8 +429,8 @@ def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal
     lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
     torch.ops.tk.attn_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
-        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens, scale, causal,
-        window[0], window[1], softcap, out, lse,
+        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens,
+        plan.coarsen_levels, scale, causal, window[0], window[1], softcap, out, lse,
     )
     return out, lse
 
