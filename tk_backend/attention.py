@@ -415,14 +415,17 @@ def _workspace(plan: decode_plan.DecodePlan, device: torch.device) -> decode_pla
     return held[-1].prefix(plan.max_items)
 
 
-def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out):
-    """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows)."""
+def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out,
+                  plan: decode_plan.DecodePlan | None = None):
+    """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows); `plan` overrides
+    the planner (scripts/tune.py times chunks with it)."""
     bsz, q_len, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    num_sms, device_name = _device_info(q.device)
-    max_context = block_table.shape[1] * block_size
-    plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0], num_splits,
-                                 device_name)
+    if plan is None:
+        num_sms, device_name = _device_info(q.device)
+        max_context = block_table.shape[1] * block_size
+        plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0],
+                                     num_splits, device_name)
     workspace = _workspace(plan, q.device)
     q = _addressable_copy(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out

@@ -234,15 +234,21 @@ def make_plan(
                                           page_size, num_sms, window_left)
             source = "analytic"
         chunk = _ceil_div(chunk, page_size) * page_size
-    splits = _max_splits(chunk, max_context, q_len, window_left)
-    scheduled = batch * num_kv_heads * splits > num_sms  # else a CTA a slot, no schedule kernel: nothing to coarsen
-    levels = coarsen_levels(chunk, _span_tokens(max_context, q_len, window_left)) \
-        if scheduled and source != "num_splits" else 0
-    return DecodePlan(
+    plan = DecodePlan(
         batch=batch, max_context=max_context, q_len=q_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, window_left=window_left, num_ctas=num_sms, chunk_tokens=chunk,
-        max_splits=splits, source=source, coarsen_levels=levels,
+        max_splits=_max_splits(chunk, max_context, q_len, window_left), source=source,
     )
+    return plan if source == "num_splits" else coarsened(plan)  # num_splits means what it says
+
+
+def coarsened(plan: DecodePlan) -> DecodePlan:
+    """The plan with the coarsening its shape allows: none in direct mode (a CTA per slot, no schedule
+    kernel), else doublings until a chunk holds a whole span."""
+    if plan.max_items <= plan.num_ctas:
+        return dataclasses.replace(plan, coarsen_levels=0)
+    span = _span_tokens(plan.max_context, plan.q_len, plan.window_left)
+    return dataclasses.replace(plan, coarsen_levels=coarsen_levels(plan.chunk_tokens, span))
 
 
 # ----------------------------------------------------------------------------------- device work list
