@@ -49,7 +49,8 @@ def main() -> None:
 
     def kernel_only(i):
         torch.ops.tk.attn_decode(q, k, v, lens, table, ws.work_items, ws.cta_start, ws.partial_out, ws.partial_lse,
-                                 plan.chunk_tokens, plan.item_overhead_tokens, scale, True, -1, -1, 0.0, out, lse)
+                                 plan.chunk_tokens, plan.item_overhead_tokens, plan.coarsen_levels, scale, True, -1,
+                                 -1, 0.0, out, lse)
 
     parts = {
         "public op": lambda i: tk_backend.flash_attn_with_kvcache(q, k, v, lens, table),

@@ -6,7 +6,8 @@ For each bucket of batch shapes (batch x max context x GQA group, any q_len <= 1
 flash_attn_with_kvcache at the bucket's representative shape for every candidate KV chunk size (forced through
 num_splits), by CUDA-graph replay, in two extremes of a fixed-shape batch: every sequence at the full context
 (throughput) and one sequence at the full context with the others at 1/64 of it (latency: the long sequence
-must still be spread over the SMs). The chosen chunk minimises the larger of its two slowdowns against the best
+must still be spread over the SMs), each with the per-step coarsening the table's chunk would get (so the full
+batch is timed at the chunk its steps would double to). The chosen chunk minimises the larger of its two slowdowns against the best
 chunk of each extreme. Shapes outside every bucket keep decode_plan's analytic model.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from benchlib import ROOT, commit_of_tree, time_per_call  # noqa: E402
 
 import tk_backend  # noqa: E402
+from tk_backend import decode_plan  # noqa: E402
 
 PAGE, D, HKV = 16, 128, 8
 # (low, high, representative) per dimension; every combination is one bucket.
@@ -51,9 +53,15 @@ def tune_bucket(batch: int, ctx: int, group: int) -> tuple[int, dict]:
     skew = torch.full((batch,), max(ctx // 64, 1), dtype=torch.int32, device="cuda")
     skew[0] = ctx
 
+    num_sms, name = tk_backend.attention._device_info(q.device)
+
     def time(lengths: torch.Tensor, chunk: int) -> float:
-        splits = math.ceil(ctx / chunk)
-        call = lambda i: tk_backend.flash_attn_with_kvcache(q, k, v, lengths, table, num_splits=splits, out=out)  # noqa: E731
+        # the candidate chunk as the plan's, with the coarsening a table entry would get (decode_plan.coarsened)
+        forced = decode_plan.make_plan(batch, ctx, 1, HKV * group, HKV, D, PAGE, num_sms, -1, math.ceil(ctx / chunk),
+                                       name)
+        plan = decode_plan.coarsened(forced)
+        call = lambda i: tk_backend.attention._decode_split(  # noqa: E731
+            q, k, v, lengths, table, D**-0.5, True, (-1, -1), 0.0, 0, out, plan=plan)
         return time_per_call(call, 1, replays=5, target_ms=5.0)
 
     chunks = [c for c in CHUNKS if c <= ctx] or [CHUNKS[0]]

@@ -32,14 +32,15 @@ _VARLEN_ARGS = (
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
 # Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
-# and the plan's chunk_tokens / item_overhead exactly as decode_plan.build_work_list does (a schedule kernel),
+# and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (a
+# schedule kernel),
 # then runs the kernel and merges partial_out / partial_lse (see decode_plan's docstring for their layout).
 # The kernels are csrc/kernels/decode.cu; flash_attn_with_kvcache reaches them through _decode_split.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
-    "int chunk_tokens, int item_overhead, float softmax_scale, bool causal, int window_left, int window_right, "
-    "float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
+    "int chunk_tokens, int item_overhead, int coarsen_levels, float softmax_scale, bool causal, int window_left, "
+    "int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
 )
 
 
@@ -414,22 +415,25 @@ def _workspace(plan: decode_plan.DecodePlan, device: torch.device) -> decode_pla
     return held[-1].prefix(plan.max_items)
 
 
-def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out):
-    """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows)."""
+def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out,
+                  plan: decode_plan.DecodePlan | None = None):
+    """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows); `plan` overrides
+    the planner (scripts/tune.py times chunks with it)."""
     bsz, q_len, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    num_sms, device_name = _device_info(q.device)
-    max_context = block_table.shape[1] * block_size
-    plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0], num_splits,
-                                 device_name)
+    if plan is None:
+        num_sms, device_name = _device_info(q.device)
+        max_context = block_table.shape[1] * block_size
+        plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0],
+                                     num_splits, device_name)
     workspace = _workspace(plan, q.device)
     q = _addressable_copy(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
     torch.ops.tk.attn_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
-        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens, scale, causal,
-        window[0], window[1], softcap, out, lse,
+        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens,
+        plan.coarsen_levels, scale, causal, window[0], window[1], softcap, out, lse,
     )
     return out, lse
 

@@ -55,11 +55,13 @@ struct attn_decode_problem {
   float* lse;  // [batch, hq, q_len] contiguous
   int batch, q_len, hq, hkv, num_blocks, block_size, max_items, max_splits, num_ctas;
   int chunk_tokens, item_overhead, max_context;  // the plan (tk_backend/decode_plan.py)
+  int coarsen_levels;  // the schedule may double chunk_tokens up to this many times (decode_plan: Coarsening)
   bool causal;
   int window_left, window_right;
   float softmax_scale, softcap;
 };
 
 void attn_decode(const attn_decode_problem& p, cudaStream_t stream);
+constexpr int DECODE_MAX_COARSEN_LEVELS = 15;  // decode_plan.MAX_COARSEN_LEVELS
 
 }  // namespace tk

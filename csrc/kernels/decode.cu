@@ -227,8 +227,44 @@ struct attn_decode_split {
 // The work list of decode_plan.build_work_list, built on the device in one launch (one block): slot
 // ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned key range of sequence b that intersects its
 // visible keys [lo_b, L_b), and CTA c runs the slots whose cost prefix `before` has
-// c * total <= ctas * before < (c + 1) * total (cost = keys + a fixed overhead per non-empty item).
+// c * total <= ctas * before < (c + 1) * total (cost = keys + a fixed overhead per non-empty item). The chunk
+// is the step's: chunk_tokens doubled up to coarsen_levels times (decode_plan.step_chunk).
 constexpr int SCHEDULE_THREADS = 512;
+
+// decode_plan.step_chunk: the candidate chunk C_j = chunk_tokens << j that needs the fewest rounds of full-size
+// items, weighted by their size (the largest j on ties).
+__device__ int step_chunk(const tk::attn_decode_problem& p) {
+  using reduce_t = cub::BlockReduce<long long, SCHEDULE_THREADS>;
+  __shared__ typename reduce_t::TempStorage storage;
+  __shared__ int chosen;
+  long long cost[tk::DECODE_MAX_COARSEN_LEVELS + 1] = {};
+  for (int b = threadIdx.x; b < p.batch; b += SCHEDULE_THREADS) {
+    const int length = min(max(p.cache_seqlens[b], 0), p.max_context);
+    const int lo = p.window_left >= 0 ? max(length - p.q_len - p.window_left, 0) : 0;
+#pragma unroll
+    for (int j = 0; j <= tk::DECODE_MAX_COARSEN_LEVELS; j++) {
+      const int chunk = p.chunk_tokens << min(j, p.coarsen_levels);
+      const int count = ceil_div(length, chunk) - lo / chunk;
+      if (j <= p.coarsen_levels && count > 0) cost[j] += (length - lo) + (long long)count * p.item_overhead;
+    }
+  }
+  if (threadIdx.x == 0) chosen = p.chunk_tokens;
+  long long best = LLONG_MAX;
+#pragma unroll  // cost[] stays in registers
+  for (int j = 0; j <= tk::DECODE_MAX_COARSEN_LEVELS; j++) {
+    if (j > p.coarsen_levels) break;
+    const long long total = reduce_t(storage).Sum(cost[j]) * p.hkv;  // valid in thread 0
+    __syncthreads();  // the storage is reused
+    if (threadIdx.x == 0) {
+      const long long per_item = (long long)(p.chunk_tokens << j) + p.item_overhead;
+      const long long span = (long long)p.num_ctas * per_item;
+      const long long time = (total + span - 1) / span * per_item;
+      if (time <= best) best = time, chosen = p.chunk_tokens << j;
+    }
+  }
+  __syncthreads();
+  return chosen;
+}
 
 __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_decode_problem p) {
   using scan_t = cub::BlockScan<long long, SCHEDULE_THREADS>;
@@ -239,7 +275,8 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
   } storage;
   __shared__ long long carry, total_cost;
   const int n = p.max_items, ctas = p.num_ctas;
-  const slot_rule slot = slot_rule_of(p);
+  slot_rule slot = slot_rule_of(p);
+  if (p.coarsen_levels > 0) slot.chunk_tokens = step_chunk(p);
   auto item = [&](int i, int4& w) -> long long {  // the slot's key range and cost
     w = slot(i);
     return w.w > w.z ? (w.w - w.z) + p.item_overhead : 0;

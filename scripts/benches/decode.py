@@ -39,8 +39,9 @@ def _case(b, ctx, hq, hkv, page) -> list[Row]:
     case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{page}"
     num_sms, name = attention._device_info(q.device)
     plan = decode_plan.make_plan(b, ctx, 1, hq, hkv, D, page, num_sms, -1, 0, name)
+    step = int(decode_plan.step_chunk(plan, seqlens.cpu()))
     print(f"  {case}: plan chunk_tokens={plan.chunk_tokens} max_splits={plan.max_splits} ctas={plan.num_ctas} "
-          f"({plan.source})", flush=True)
+          f"({plan.source}); this step's chunk {step} (coarsen_levels={plan.coarsen_levels})", flush=True)
     impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
     fa3 = _fa3()
     if fa3 is not None:
