@@ -121,8 +121,12 @@ void run(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
       .k_iters = ceil_div(int(p.k), K::BK),
       .group_rows = group_rows,
   };
-  const int tasks = ceil_div(g.tiles_m, Cluster) * g.tiles_n;
-  lcsf::launch<K>(g, std::min(tasks * Cluster, num_sms), stream);
+  // Balanced grid: the fewest CTAs that still take the tiles in as many rounds as one CTA per SM would, so
+  // that every CTA runs the same number of tiles (4096^3: 512 tiles in 4 rounds on 128 CTAs, not 116 CTAs
+  // running 4 and 16 running 3) and each round covers whole tile groups of the L2 order.
+  const int tasks = ceil_div(g.tiles_m, Cluster) * g.tiles_n, slots = std::max(1, num_sms / Cluster);
+  const int rounds = ceil_div(tasks, slots);
+  lcsf::launch<K>(g, ceil_div(tasks, rounds) * Cluster, stream);
 }
 
 template <typename T, bool BIsNK>
