@@ -1,6 +1,6 @@
 // GEMM on kittens: 128 x 256 output tiles, a producer warpgroup streaming 64-wide k-slices of A and B
 // through a TMA ring, two consumer warpgroups (64 rows each) accumulating with wgmma, and an epilogue in
-// which every warp writes its 16 rows through its own TMA stores (no cross-warp barrier) while the
+// which each warpgroup stages its rows in 64 x 64 blocks and sends each with one TMA store while the
 // producer already loads the next tile. Tiles are visited in grouped order by a persistent grid.
 #include <cstdlib>
 #include "../kittens/kittens.cuh"
@@ -11,7 +11,7 @@ using namespace kittens;
 namespace {
 
 // Stages: depth of the input ring. The epilogue uses what the ring leaves of shared memory: with 4 stages
-// each warp double-buffers two 16 x 64 pieces, with 3 it stages its whole 16 x 256 slice at once.
+// each warpgroup stages two 64 x 64 blocks at a time, with 3 its whole 64 x 256 at once.
 // Cluster 2: two CTAs own vertically adjacent tiles of the same column block; each loads half of the
 // shared B slice and multicasts it to both, cutting B's L2 traffic in half (measured slower here so far:
 // 0.65-0.82x of cluster 1; kept for the next tuning round, not dispatched).
@@ -24,16 +24,16 @@ struct gemm_kernel {
   using a_tile = st<T, BM, BK>;
   using b_tile = std::conditional_t<BIsNK, st<T, BN, BK>, st<T, BK, BN>>;
   using b_part = std::conditional_t<BIsNK, st<T, BN / Cluster, BK>, st<T, BK, BN / Cluster>>;  // one CTA's share
-  using c_piece = st<T, 16, 64>;
+  using c_block = st<T, 64, 64>;  // one consumer's 64 rows of a 64-column block: its warps' 16-row pieces stacked
 
   struct globals {
     gl<T, 1, 1, RUNTIME, RUNTIME, a_tile> a;
     gl<T, 1, 1, RUNTIME, RUNTIME, b_tile, b_part> b;
-    gl<T, 1, 1, RUNTIME, RUNTIME, c_piece> c;
+    gl<T, 1, 1, RUNTIME, RUNTIME, c_block> c;
     int tiles_m, tiles_n, k_iters, group_rows;
   };
   struct input_block { a_tile a; b_tile b; };
-  struct scratch_block { c_piece c[consumers][WARPGROUP_WARPS][batch]; };
+  struct scratch_block { c_block c[consumers][batch]; };
   struct consumer_state { rt_fl<16, BN> acc; };
 
   struct task_t { int m, n, iters, rank; };
@@ -75,23 +75,27 @@ struct gemm_kernel {
     }
   }
 
+  // Epilogue: the warpgroup's 64 x 256 accumulator goes out in 64 x 64 blocks, `batch` at a time: each warp
+  // writes its 16 rows of them, then one thread sends each block with one TMA store (4 stores a warpgroup and
+  // tile, not 16 of 16 rows), while the producer already loads the next tile.
   __device__ static void finish(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t, int wg) {
-    const int w = warpgroup::warp(), row = t.m * BM + wg * 64 + w * 16;
-    if (row >= g.c.rows()) return;  // this warp's rows are all past M
-    auto& buffers = scratch.c[wg][w];
+    const int row = t.m * BM + wg * 64;
+    if (row >= g.c.rows()) return;  // this warpgroup's rows are all past M
+    auto& blocks = scratch.c[wg];
 #pragma unroll
     for (int first = 0; first < pieces; first += batch) {
-      if (laneid() == 0) tma::store_wait_read<0>();  // earlier stores are done reading the buffers
-      __syncwarp();
+      if (warpgroup::thread() == 0) tma::store_wait_read<0>();  // earlier stores are done reading the blocks
+      warpgroup::sync(1 + wg);
 #pragma unroll
-      for (int p = 0; p < batch; p++) warp::store(buffers[p].ref(), col_block<64>(s.acc, first + p));
+      for (int p = 0; p < batch; p++)
+        warp::store(blocks[p].template row_block<16>(warpgroup::warp()), col_block<64>(s.acc, first + p));
       fence_async_shared();
-      __syncwarp();
-      if (laneid() == 0) {
+      warpgroup::sync(1 + wg);
+      if (warpgroup::thread() == 0) {
 #pragma unroll
         for (int p = 0; p < batch; p++) {
           const int col = t.n * BN + (first + p) * 64;
-          if (col < g.c.cols()) tma::store_async(g.c, buffers[p], {.row = row, .col = col});
+          if (col < g.c.cols()) tma::store_async(g.c, blocks[p], {.row = row, .col = col});
         }
         tma::store_commit_group();
       }
