@@ -29,6 +29,13 @@ struct attn_prefill {
   static_assert(C == 2 || (C == 3 && D <= 128), "two consumers, or three at D <= 128");
   static constexpr int consumers = C, QROWS = 64, BQ = consumers * QROWS;
   static constexpr bool serial = C == 3 && D == 128;
+  // D=256 under a causal mask claims its tasks (lcsf's dynamic tasks; run() passes the counter): the tasks
+  // differ in length, and a CTA that drew short ones takes more instead of idling while another runs long
+  // ones. Measured (session 10, same-call A/B): D=256 causal 0.84-0.96 of the stride order's time; full
+  // masks (equal tasks) 1.03-1.04 and D=64/128 causal at n <= 4096 1.01-1.05, so those keep the stride order
+  // (with a null counter lcsf's feed walks it). Beside three consumers the producer's 32 registers cannot
+  // hold the claim loop (spills), and three consumers are never D=256.
+  static constexpr bool dynamic = D == 256;
   static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
@@ -59,6 +66,7 @@ struct attn_prefill {
     int batch, hq, group, q_blocks, block_size, paged, causal, window_left, window_right;
     int heads_per_group;  // (sequence, head) pairs whose K/V fit in L2 together (see task)
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
+    int* task_counter;          // lcsf's dynamic tasks
   };
   struct kv_pair { kv_tile k, v; };
   struct kv_slot { kv_tile kv; };  // staggered: K_j in an even slot, V_j in the next
@@ -369,6 +377,13 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   g.scale_log2 = p.softmax_scale * LOG2E;
   g.softcap = p.softcap;
   g.heads_per_group = heads_per_l2_group(p, D);
+  g.task_counter = nullptr;
+  if constexpr (K::dynamic) {
+    if (p.causal) {
+      g.task_counter = p.task_counter;
+      TK_CUDA_CHECK(cudaMemsetAsync(p.task_counter, 0, sizeof(int), stream));
+    }
+  }
   const long tasks = long(g.q_blocks) * p.batch * p.hq;
   lcsf::launch<K>(g, int(std::min<long>(tasks, num_sms)), stream);
 }

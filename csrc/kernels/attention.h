@@ -29,6 +29,7 @@ struct attn_varlen_problem {
   bool causal;
   int window_left, window_right;  // -1: unbounded
   float softmax_scale, softcap;   // softcap 0: off
+  int* task_counter;  // int32 [1], device, any value: zeroed on the stream, then CTAs claim tasks with it
 };
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream);
