@@ -379,7 +379,7 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   g.heads_per_group = heads_per_l2_group(p, D);
   g.task_counter = nullptr;
   if constexpr (K::dynamic) {
-    if (p.causal) {
+    if (tk::attn_varlen_claims(p)) {
       g.task_counter = p.task_counter;
       TK_CUDA_CHECK(cudaMemsetAsync(p.task_counter, 0, sizeof(int), stream));
     }
@@ -400,6 +400,8 @@ void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t strea
 }  // namespace
 
 namespace tk {
+
+bool attn_varlen_claims(const attn_varlen_problem& p) { return p.head_dim == 256 && p.causal; }
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   if (p.max_seqlen_q <= 0 || p.batch <= 0) return;
