@@ -76,8 +76,8 @@ def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1
                                      "top1": top1, "greedy": first, "greedy_cached": second}))
 
 
-def _run(model_dir: Path, out_dir: Path, *engines: tuple[str, int]) -> list[dict]:
-    """The results of each (backend, tensor_parallel_size) engine, the missing ones run at once."""
+def _jobs(model_dir: Path, out_dir: Path, *engines: tuple[str, int]) -> list[tuple[Path, list[str], dict[str, str]]]:
+    """run_workers' jobs for each (backend, tensor_parallel_size) engine."""
     jobs = []
     for backend, tp in engines:
         out = out_dir / f"{backend}_tp{tp}.json"
@@ -86,7 +86,12 @@ def _run(model_dir: Path, out_dir: Path, *engines: tuple[str, int]) -> list[dict
         command = [sys.executable, "-m", "tests.gpu.test_vllm_e2e", "--worker", "--model", str(model_dir),
                    "--backend", backend, "--out", str(out), "--tp", str(tp)]
         jobs.append((out, command, env))
-    return harness.run_workers(jobs, cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
+    return jobs
+
+
+def _run(model_dir: Path, out_dir: Path, *engines: tuple[str, int]) -> list[dict]:
+    """The results of each (backend, tensor_parallel_size) engine, the missing ones run at once."""
+    return harness.run_workers(_jobs(model_dir, out_dir, *engines), cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -114,18 +119,39 @@ def _model(workdir: Path, preset: str) -> Path:
     return build(workdir / preset, preset=preset)
 
 
-@pytest.mark.parametrize("preset", ["tiny-hd128", "tiny-hd64"])
-def test_tk_agrees_with_flash_attn_at_least_as_well_as_triton(workdir, preset):
-    model = _model(workdir, preset)
-    fa, triton, tk = _run(model, workdir / preset, ("FLASH_ATTN", 1), ("TRITON_ATTN", 1), ("TK", 1))
-    assert_agrees_like_yardstick((tk, fa), (triton, fa))
+TP1_ENGINES = (("FLASH_ATTN", 1), ("TRITON_ATTN", 1), ("TK", 1))
+TP2_ENGINES = (("FLASH_ATTN", 2), ("TRITON_ATTN", 2), ("TK", 2), ("TK", 1))
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _needs_gpus(n: int) -> None:
-    import torch
-
-    if torch.cuda.device_count() < n:
+    if _gpus() < n:
         pytest.skip(f"needs {n} GPUs (nvidia-h200-x{n})")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_at_once(request, workdir):
+    """Every selected agreement test's engines start together (harness.prelaunch)."""
+    def plan(item):
+        engines = {"test_tk_agrees_with_flash_attn_at_least_as_well_as_triton": TP1_ENGINES,
+                   "test_tensor_parallel_2_agrees_with_tp1_and_flash_attn": TP2_ENGINES if _gpus() >= 2 else ()}
+        preset = getattr(item, "callspec", None) and item.callspec.params.get("preset")
+        wanted = engines.get(item.originalname, ())
+        return _jobs(_model(workdir, preset), workdir / preset, *wanted) if preset and wanted else []
+
+    harness.prelaunch(request, plan, REPO, WORKER_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("preset", ["tiny-hd128", "tiny-hd64"])
+def test_tk_agrees_with_flash_attn_at_least_as_well_as_triton(workdir, preset):
+    model = _model(workdir, preset)
+    fa, triton, tk = _run(model, workdir / preset, *TP1_ENGINES)
+    assert_agrees_like_yardstick((tk, fa), (triton, fa))
 
 
 # KV heads split evenly over the ranks (8 -> 4 + 4); fewer KV heads than ranks (1, replicated by vLLM).
@@ -133,7 +159,7 @@ def _needs_gpus(n: int) -> None:
 def test_tensor_parallel_2_agrees_with_tp1_and_flash_attn(workdir, preset):
     _needs_gpus(2)
     model = _model(workdir, preset)
-    fa, triton, tk, tk_tp1 = _run(model, workdir / preset, ("FLASH_ATTN", 2), ("TRITON_ATTN", 2), ("TK", 2), ("TK", 1))
+    fa, triton, tk, tk_tp1 = _run(model, workdir / preset, *TP2_ENGINES)
     assert_agrees_like_yardstick((tk, fa), (triton, fa))
     assert_agrees_like_yardstick((tk, tk_tp1), (triton, fa))
 

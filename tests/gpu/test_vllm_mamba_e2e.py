@@ -24,7 +24,7 @@ The engine runs in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), 
 tk_backend.vllm.mamba.STATS and the test checks which path actually ran: TK's scan and update with no
 fallback in the TK worker, none of TK's in the Triton worker. One preset turns TK on with TK_MAMBA=1, the
 other with `attention_backend="TK"` (the other documented switch). Needs vLLM importable (GPU host: source
-/tmp/vllm_site/env.sh). About 4-5 minutes per preset (three engines).
+/tmp/vllm_site/env.sh). Both presets' six engines start together (harness.prelaunch).
 """
 from __future__ import annotations
 
@@ -87,8 +87,11 @@ def run_worker(model: str, path: str, enable: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
-def _run(model_dir: Path, enable: str, out_dir: Path, *paths: str) -> list[dict]:
-    """The results of each path's engine, the missing ones run at once (harness.run_workers)."""
+PATHS = ("triton32", "triton", "tk")
+
+
+def _jobs(model_dir: Path, enable: str, out_dir: Path, *paths: str) -> list[tuple[Path, list[str], dict[str, str]]]:
+    """run_workers' jobs for each path's engine."""
     jobs = []
     for path in paths:
         out = out_dir / f"{path}_{enable}.json"
@@ -101,6 +104,12 @@ def _run(model_dir: Path, enable: str, out_dir: Path, *paths: str) -> list[dict]
         command = [sys.executable, "-m", "tests.gpu.test_vllm_mamba_e2e", "--worker", "--model", str(model_dir),
                    "--path", path, "--enable", enable, "--out", str(out)]
         jobs.append((out, command, env))
+    return jobs
+
+
+def _run(model_dir: Path, enable: str, out_dir: Path, *paths: str) -> list[dict]:
+    """The results of each path's engine, the missing ones run at once (harness.run_workers)."""
+    jobs = _jobs(model_dir, enable, out_dir, *paths)
     results = harness.run_workers(jobs, cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
     for out, _, _ in jobs:
         log = out.with_suffix(".log")
@@ -128,13 +137,29 @@ def workdir(tmp_path_factory) -> Path:
     return harness.workdir(tmp_path_factory, "vllm_mamba_e2e")
 
 
-@pytest.mark.parametrize("preset, enable", [("mamba2-n128-g8", "env"), ("mamba2-n64-g1", "backend")])
-def test_tk_ssd_agrees_with_vllm_triton_like_two_correct_paths(workdir, preset, enable):
+def _model(workdir: Path, preset: str) -> Path:
     sys.path.insert(0, str(REPO / "examples"))
     from build_tiny_mamba2 import build
 
-    model = build(workdir / preset, preset=preset)
-    fp32, triton, tk = _run(model, enable, workdir / preset, "triton32", "triton", "tk")
+    return build(workdir / preset, preset=preset)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_at_once(request, workdir):
+    """Every selected preset's engines start together (harness.prelaunch)."""
+    def plan(item):
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if "preset" not in params:
+            return []
+        return _jobs(_model(workdir, params["preset"]), params["enable"], workdir / params["preset"], *PATHS)
+
+    harness.prelaunch(request, plan, REPO, WORKER_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("preset, enable", [("mamba2-n128-g8", "env"), ("mamba2-n64-g1", "backend")])
+def test_tk_ssd_agrees_with_vllm_triton_like_two_correct_paths(workdir, preset, enable):
+    model = _model(workdir, preset)
+    fp32, triton, tk = _run(model, enable, workdir / preset, *PATHS)
     stats_tk = tk["stats"]
     assert stats_tk.get("tk_scan", 0) > 0 and stats_tk.get("tk_update", 0) > 0, \
         f"TK's ops did not run in the TK worker (TK switched on by {enable}): {stats_tk}"
