@@ -9,18 +9,24 @@ from types import SimpleNamespace
 
 from tests.gpu import vllm_harness as harness
 
-# Waits until `count` workers have announced themselves in `meet`, so it only finishes if they all run at once.
+# Waits until `count` workers have announced themselves in `meet` (so it only finishes in time if they all run
+# at once), then notes how many are there, and leaves.
 WORKER = """
 import json, sys, time
 from pathlib import Path
 out, meet, count, fail = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-(meet / Path(out).name).touch()
+me = meet / Path(out).name
+me.touch()
 deadline = time.monotonic() + 20
 while len(list(meet.iterdir())) < count and time.monotonic() < deadline:
     time.sleep(0.02)
+time.sleep(0.3)
+present = len(list(meet.iterdir()))
 if fail:
     sys.exit(3)
-Path(out).write_text(json.dumps({"name": Path(out).stem, "together": len(list(meet.iterdir())) >= count}))
+Path(out).write_text(json.dumps({"name": Path(out).stem, "together": present >= count, "present": present}))
+time.sleep(0.3)  # until the others have looked
+me.unlink()
 """
 
 
@@ -58,6 +64,12 @@ def test_prelaunch_leaves_a_failed_engine_to_its_test(tmp_path, capsys):
     harness.prelaunch(_request([_item([good]), _item([bad])]), lambda item: item.jobs, tmp_path, timeout_s=60)
     assert good[0].exists() and not bad[0].exists()
     assert "bad.json worker failed (rc 3)" in capsys.readouterr().out
+
+
+def test_prelaunch_caps_the_engines_at_once(tmp_path):
+    jobs = [_job(tmp_path, n, count=2) for n in "abcd"]
+    harness.prelaunch(_request([_item(jobs)]), lambda item: item.jobs, tmp_path, timeout_s=60, at_once=2)
+    assert [json.loads(out.read_text())["present"] for out, _, _ in jobs] == [2, 2, 2, 2]
 
 
 def test_prelaunch_starts_nothing_for_a_single_engine(tmp_path):

@@ -61,12 +61,16 @@ def run_workers(jobs: list[tuple[Path, list[str], dict[str, str]]], cwd: Path, t
     return [json.loads(out.read_text()) for out, _, _ in jobs]
 
 
-def prelaunch(request, plan, cwd: Path, timeout_s: float) -> None:
-    """Runs the engines of every selected, not skipped test of the calling module at once, before the first of
-    them starts (call it from a module-scoped autouse fixture): plan(item) gives a test item's jobs as
-    run_workers takes them ([] for none). Each test then finds its engines' results written (run_workers skips
-    a job whose `out` exists), so a file's tests cost one engine start-up, not one per test. An engine that
-    failed here runs again in its own test, which reports the failure."""
+# Engines prelaunch starts together at most (each takes ~6 GB of a GPU and a few CPU cores while it starts).
+PRELAUNCH_AT_ONCE = 8
+
+
+def prelaunch(request, plan, cwd: Path, timeout_s: float, at_once: int = PRELAUNCH_AT_ONCE) -> None:
+    """Runs the engines of every selected, not skipped test of the calling module together (at_once at a time),
+    before the first of them starts (call it from a module-scoped autouse fixture): plan(item) gives a test
+    item's jobs as run_workers takes them ([] for none). Each test then finds its engines' results written
+    (run_workers skips a job whose `out` exists), so a file's tests share engine start-ups instead of paying
+    one each. An engine that failed here runs again in its own test, which reports the failure."""
     jobs, seen = [], set()
     for item in request.session.items:
         if item.module is not request.module or item.get_closest_marker("skip"):
@@ -77,10 +81,11 @@ def prelaunch(request, plan, cwd: Path, timeout_s: float) -> None:
                 jobs.append(job)
     if len(jobs) < 2:
         return
-    try:
-        run_workers(jobs, cwd=cwd, timeout_s=timeout_s)
-    except AssertionError as failed:  # the test that owns the engine runs it again and reports
-        print(f"prelaunch: {str(failed)[:3000]}")
+    for first in range(0, len(jobs), at_once):
+        try:
+            run_workers(jobs[first: first + at_once], cwd=cwd, timeout_s=timeout_s)
+        except AssertionError as failed:  # the test that owns the engine runs it again and reports
+            print(f"prelaunch: {str(failed)[:3000]}")
 
 
 def prompt_logprobs(llm, prompts) -> tuple[list[list[float]], list[list[int]]]:
