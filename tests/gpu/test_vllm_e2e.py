@@ -137,9 +137,10 @@ def _needs_gpus(n: int) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def _engines_at_once(request, workdir):
     """Every selected agreement test's engines start together (harness.prelaunch)."""
+    engines = {"test_tk_agrees_with_flash_attn_at_least_as_well_as_triton": TP1_ENGINES,
+               "test_tensor_parallel_2_agrees_with_tp1_and_flash_attn": TP2_ENGINES if _gpus() >= 2 else ()}
+
     def plan(item):
-        engines = {"test_tk_agrees_with_flash_attn_at_least_as_well_as_triton": TP1_ENGINES,
-                   "test_tensor_parallel_2_agrees_with_tp1_and_flash_attn": TP2_ENGINES if _gpus() >= 2 else ()}
         preset = getattr(item, "callspec", None) and item.callspec.params.get("preset")
         wanted = engines.get(item.originalname, ())
         return _jobs(_model(workdir, preset), workdir / preset, *wanted) if preset and wanted else []
