@@ -17,6 +17,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,15 +49,22 @@ def worker(model: str, backend: str, tp: int, case: str, out_dir: Path) -> None:
     (out_dir / "wall.json").write_text(json.dumps({"seconds": seconds}))
 
 
-def _trace_events(out_dir: Path) -> dict[str, list[dict]]:
-    """The timed events of rank 0's trace by category (kernel, cuda_runtime, ...); vLLM names each rank's trace
-    ..._rankN.<time>.pt.trace.json."""
+def _rank_traces(out_dir: Path) -> dict[int, Path]:
+    """Each rank's newest trace; vLLM names them ..._rankN.<time>.pt.trace.json (one unnamed trace: rank 0)."""
     traces = sorted((p for p in out_dir.rglob("*.json*") if "pt.trace" in p.name), key=lambda p: p.stat().st_mtime)
-    rank0 = [p for p in traces if "rank0." in p.name] or traces
-    if not rank0:
+    if not traces:
         raise FileNotFoundError(f"no torch profiler trace under {out_dir}")
-    opener = gzip.open if rank0[-1].suffix == ".gz" else open
-    with opener(rank0[-1], "rt") as f:
+    ranks: dict[int, Path] = {}
+    for p in traces:
+        rank = re.search(r"rank(\d+)\.", p.name)
+        ranks[int(rank.group(1)) if rank else 0] = p
+    return dict(sorted(ranks.items()))
+
+
+def _trace_events(trace: Path) -> dict[str, list[dict]]:
+    """A trace's timed events by category (kernel, cuda_runtime, gpu_user_annotation, ...)."""
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
         doc = json.load(f)
     by_category: dict[str, list[dict]] = defaultdict(list)
     for e in doc.get("traceEvents", []):
@@ -65,8 +73,14 @@ def _trace_events(out_dir: Path) -> dict[str, list[dict]]:
     return by_category
 
 
-def summarize(out_dir: Path) -> dict:
-    events = _trace_events(out_dir)
+def _quantiles(values: list[float]) -> list[float]:
+    """p10, p50, p90 of values (us)."""
+    v = sorted(values)
+    return [round(v[min(len(v) - 1, int(q * len(v)))], 1) for q in (0.1, 0.5, 0.9)] if v else []
+
+
+def summarize(trace: Path, wall_s: float) -> dict:
+    events = _trace_events(trace)
     kernels = events["kernel"]
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     busy, end = 0.0, float("-inf")
@@ -74,23 +88,31 @@ def summarize(out_dir: Path) -> dict:
         if e > end:
             busy += e - max(s, end)
             end = e
-    by_name: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list[float]] = defaultdict(list)
     for e in kernels:
-        by_name[e["name"]] += e["dur"]
-    attention = sum(t for n, t in by_name.items() if any(f in n.lower() for f in ATTENTION))
+        by_name[e["name"]].append(e["dur"])
+    attention = sum(sum(t) for n, t in by_name.items() if any(f in n.lower() for f in ATTENTION))
+    total = sum(sum(t) for t in by_name.values())
     span = spans[-1][1] - spans[0][0] if spans else 0.0
-    wall = json.loads((out_dir / "wall.json").read_text())["seconds"]
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
     # Graph replays vs single launches on the host: a decode step that is not replayed as a full CUDA graph
     # launches each layer's attention kernels one by one.
     launches: dict[str, int] = defaultdict(int)
     for e in events["cuda_runtime"]:
         if "Launch" in e["name"]:
             launches[e["name"]] += 1
-    return {"wall_ms": wall * 1e3, "kernel_span_ms": span / 1e3, "gpu_busy_ms": busy / 1e3,
-            "gpu_idle_ms": (span - busy) / 1e3, "attention_ms": attention / 1e3,
-            "other_kernels_ms": (sum(by_name.values()) - attention) / 1e3, "kernels": len(kernels),
-            "top": [(n[:90], round(t / 1e3, 2)) for n, t in top], "launches": dict(launches)}
+    # vLLM's per-step GPU annotations, execute_context_<prefill tokens>(...)_generation_<decodes>(...): pure
+    # decode steps (no prefill tokens) apart from mixed ones.
+    steps: dict[str, list[float]] = defaultdict(list)
+    for e in events["gpu_user_annotation"]:
+        if e["name"].startswith("execute_context_"):
+            steps["decode" if e["name"].startswith("execute_context_0(") else "mixed"].append(e["dur"])
+    return {"trace": trace.name, "wall_ms": wall_s * 1e3, "kernel_span_ms": span / 1e3,
+            "gpu_busy_ms": busy / 1e3, "gpu_idle_ms": (span - busy) / 1e3, "attention_ms": attention / 1e3,
+            "other_kernels_ms": (total - attention) / 1e3, "kernels": len(kernels),
+            "top": [(n[:90], round(sum(t) / 1e3, 2), len(t), _quantiles(t)) for n, t in top],
+            "steps": {k: (len(v), round(sum(v) / 1e3, 1), _quantiles(v)) for k, v in steps.items()},
+            "launches": dict(launches)}
 
 
 def main() -> int:
@@ -115,18 +137,23 @@ def main() -> int:
         command = [sys.executable, __file__, "--worker", "--model", str(model), "--backend", serve.IMPLS[impl],
                    "--tp", str(args.tp), "--case", args.case, "--out", str(out_dir)]
         proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=serve.WORKER_TIMEOUT_S)
+                              timeout=serve.STARTUP_TIMEOUT_S + 2 * serve.RUN_TIMEOUT_S)
         if proc.returncode != 0:
             print(f"{impl}: worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", flush=True)
             continue
-        report[impl] = summary = summarize(out_dir)
-        print(f"\n== {impl} (tp{args.tp}, {args.case}): wall {summary['wall_ms']:.0f} ms (profiled), kernel span "
-              f"{summary['kernel_span_ms']:.0f} ms, GPU busy {summary['gpu_busy_ms']:.0f} / idle "
-              f"{summary['gpu_idle_ms']:.0f} ms; attention {summary['attention_ms']:.1f} ms, other kernels "
-              f"{summary['other_kernels_ms']:.1f} ms, {summary['kernels']} kernels")
-        print(f"   host launches: {summary['launches']}")
-        for name, ms in summary["top"]:
-            print(f"   {ms:9.2f} ms  {name}")
+        wall = json.loads((out_dir / "wall.json").read_text())["seconds"]
+        report[impl] = {}
+        for rank, trace in _rank_traces(out_dir).items():
+            report[impl][rank] = summary = summarize(trace, wall)
+            print(f"\n== {impl} rank {rank} (tp{args.tp}, {args.case}): wall {summary['wall_ms']:.0f} ms (profiled), "
+                  f"kernel span {summary['kernel_span_ms']:.0f} ms, GPU busy {summary['gpu_busy_ms']:.0f} / idle "
+                  f"{summary['gpu_idle_ms']:.0f} ms; attention {summary['attention_ms']:.1f} ms, other kernels "
+                  f"{summary['other_kernels_ms']:.1f} ms, {summary['kernels']} kernels")
+            print(f"   host launches: {summary['launches']}")
+            for kind, (count, ms, q) in summary["steps"].items():
+                print(f"   {kind} steps: {count}, {ms:.1f} ms on the GPU, p10/p50/p90 {q} us")
+            for name, ms, count, q in summary["top"]:
+                print(f"   {ms:9.2f} ms  {count:6d} x p10/p50/p90 {q} us  {name}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"summary_tp{args.tp}_{args.case}.json").write_text(json.dumps(report, indent=1))
     return 0 if report else 1

@@ -5,6 +5,8 @@ actually attended, and O.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,12 @@ CASES += [(1, 32768, 32, 8, 64), (8, 8192, 32, 8, 64), (64, 8192, 32, 8, 64)]
 # that width (here a 128k-token model) while the step's sequences are short. Case names end in _table{tokens}.
 WIDE_TABLE = 131072
 CASES += [(b, 1024, 32, 8, 16, WIDE_TABLE) for b in (1, 8, 64)]
+# The serve bench's decode steps (scripts/benches/serve.py, prefill-heavy case: 256 sequences of 1024-token
+# prompts generating 256 tokens, max_model_len 2048) at TP 1 (32 / 8 heads) and TP 2 (16 / 4 heads a rank):
+# contexts spread over 1024-1280, pages laid out as vLLM's allocator hands them out (each prompt's pages in
+# one run, then the generated tokens' pages interleaved across sequences), a 2048-token-wide table.
+SERVE_CASES = [(256, 1152, 32, 8, 16), (256, 1152, 16, 4, 16)]
+SERVE_TABLE = 2048
 
 
 def _fa3():
@@ -31,29 +39,64 @@ def _fa3():
         return None
 
 
-def _case(b, ctx, hq, hkv, page, table_ctx=None) -> list[Row]:
-    blocks = b * ctx // page
+def _serve_layout(b: int, ctx: int, page: int, table_ctx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(table, seqlens, blocks) of a serve-bench decode step: contexts ctx +- 128 (a fixed spread), each
+    sequence's first 1024 tokens in consecutive pages, the pages after them dealt round-robin."""
+    seqlens = [ctx - 128 + (i * 97) % 257 for i in range(b)]
+    prompt_pages = 1024 // page
+    pages = [(n + page - 1) // page for n in seqlens]
+    table = [[i * prompt_pages + j for j in range(min(prompt_pages, n))] for i, n in enumerate(pages)]
+    nxt = b * prompt_pages
+    for j in range(prompt_pages, max(pages)):
+        for i, n in enumerate(pages):
+            if j < n:
+                table[i].append(nxt)
+                nxt += 1
+    width = table_ctx // page
+    rows = [r + [0] * (width - len(r)) for r in table]
+    return (torch.tensor(rows, dtype=torch.int32, device="cuda"),
+            torch.tensor(seqlens, dtype=torch.int32, device="cuda"), nxt)
+
+
+def _vllm_fa3():
+    try:
+        from vllm.vllm_flash_attn import flash_attn_with_kvcache
+        return flash_attn_with_kvcache
+    except Exception:  # noqa: BLE001 (absent, or built for another torch)
+        return None
+
+
+def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False) -> list[Row]:
+    if serve:
+        table, seqlens, blocks = _serve_layout(b, ctx, page, table_ctx)
+        tokens = int(seqlens.sum())
+    else:
+        blocks, tokens = b * ctx // page, b * ctx
+        table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // page)
+        if table_ctx is not None:  # columns past the contexts (never read), as a max_model_len-wide table has
+            table = torch.cat([table, table[:, :1].expand(b, (table_ctx - ctx) // page)], 1).contiguous()
+        seqlens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     k_cache = torch.randn(blocks, page, hkv, D, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(blocks, page, hkv, D, device="cuda", dtype=torch.bfloat16)
-    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // page)
-    if table_ctx is not None:  # columns past the contexts (never read), as a max_model_len-wide table has
-        table = torch.cat([table, table[:, :1].expand(b, (table_ctx - ctx) // page)], 1).contiguous()
     q = torch.randn(b, 1, hq, D, device="cuda", dtype=torch.bfloat16)
-    seqlens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    bytes_moved = 2 * (2 * b * ctx * hkv * D + 2 * b * hq * D)
+    bytes_moved = 2 * (2 * tokens * hkv * D + 2 * b * hq * D)
     case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{page}" + (f"_table{table_ctx}" if table_ctx else "")
+    case += "_servelayout" if serve else ""
     num_sms, name = attention._device_info(q.device)
     plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, D, page, num_sms, -1, 0, name)
     step = int(decode_plan.step_chunk(plan, seqlens.cpu()))
     print(f"  {case}: plan chunk_tokens={plan.chunk_tokens} max_splits={plan.max_splits} ctas={plan.num_ctas} "
           f"({plan.source}); this step's chunk {step} (coarsen_levels={plan.coarsen_levels})", flush=True)
     impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
-    fa3 = _fa3()
+    fa3, vllm_fa = _fa3(), _vllm_fa3()
     if fa3 is not None:
         impls["fa3"] = lambda i: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                              page_table=table, causal=True)
-    elif b * ctx <= 1 << 20:
+    if vllm_fa is not None:  # the FA3 build vLLM's FLASH_ATTN backend calls (where vLLM is importable)
+        impls["vllm_fa3"] = lambda i: vllm_fa(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                              causal=True, out=out, fa_version=3)
+    if fa3 is None and vllm_fa is None and not serve and b * ctx <= 1 << 20:
         def gathered(i):
             k = k_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
             v = v_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
@@ -71,8 +114,13 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None) -> list[Row]:
 
 
 def run(quick: bool = False) -> list[Row]:
+    """All cases; TK_DECODE_SERVE_ONLY=1: the serve-layout cases alone."""
     rows = []
-    for case in CASES[:4] if quick else CASES:
+    serve_only = os.environ.get("TK_DECODE_SERVE_ONLY") == "1"
+    for case in [] if serve_only else CASES[:4] if quick else CASES:
         rows += _case(*case)
+        torch.cuda.empty_cache()
+    for case in [] if quick else SERVE_CASES:
+        rows += _case(*case, SERVE_TABLE, serve=True)
         torch.cuda.empty_cache()
     return rows

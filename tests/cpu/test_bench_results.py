@@ -153,7 +153,9 @@ def test_profile_serve_summary_splits_gpu_time(tmp_path):
               {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 2},
               {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 3, "dur": 1},
               {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 1},
-              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 7, "dur": 1}]
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 7, "dur": 1},
+              {"cat": "gpu_user_annotation", "name": "execute_context_0(0)_generation_8(8)", "ts": 0, "dur": 30},
+              {"cat": "gpu_user_annotation", "name": "execute_context_2(2048)_generation_6(6)", "ts": 40, "dur": 25}]
     import os
 
     rank0 = tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json"
@@ -161,14 +163,16 @@ def test_profile_serve_summary_splits_gpu_time(tmp_path):
     rank0.write_text(json.dumps({"traceEvents": events}))
     rank1.write_text(json.dumps({"traceEvents": events[:1]}))
     os.utime(rank1, (rank0.stat().st_mtime + 5, rank0.stat().st_mtime + 5))
-    (tmp_path / "wall.json").write_text(json.dumps({"seconds": 0.001}))
-    summary = profile_serve.summarize(tmp_path)  # rank 0's trace, though rank 1's is newer
-    assert summary["kernels"] == 4
+    assert profile_serve._rank_traces(tmp_path) == {0: rank0, 1: rank1}
+    summary = profile_serve.summarize(rank0, 0.001)
+    assert summary["wall_ms"] == 1.0 and summary["kernels"] == 4
     assert summary["launches"] == {"cudaGraphLaunch": 1, "cudaLaunchKernel": 2}
     assert summary["kernel_span_ms"] == 0.065 and summary["gpu_busy_ms"] == 0.04
     assert abs(summary["gpu_idle_ms"] - 0.025) < 1e-12
     assert summary["attention_ms"] == 0.015 and summary["other_kernels_ms"] == 0.03
-    assert summary["top"][0] == ("sm90_xmma_gemm_bf16", 0.03)
+    assert summary["top"][0] == ("sm90_xmma_gemm_bf16", 0.03, 2, [10, 20, 20])
+    assert summary["steps"] == {"decode": (1, 0.0, [30, 30, 30]), "mixed": (1, 0.0, [25, 25, 25])}
+    assert profile_serve.summarize(rank1, 0.001)["kernels"] == 1
 
 
 def _run_snippet_on_cpu(snippet: str, entry_points: list[str], monkeypatch) -> list[tuple[str, tuple]]:
