@@ -1,4 +1,5 @@
-"""Paged decode family: tk vs FA3 flash_attn_with_kvcache (page_table) if present, else SDPA on gathered KV.
+"""Paged decode family: tk vs FA3 flash_attn_with_kvcache (page_table) if present, and vLLM's FA3 build (vllm_fa3)
+where vLLM is importable; else SDPA on gathered KV.
 
 Every impl is timed by CUDA-graph replay (as vLLM runs decode); tbps counts the bytes of Q, the K and V
 actually attended, and O.
