@@ -6,6 +6,7 @@ actually attended, and O.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,6 +30,8 @@ CASES += [(b, 1024, 32, 8, 16, WIDE_TABLE) for b in (1, 8, 64)]
 # contexts spread over 1024-1280, pages laid out as vLLM's allocator hands them out (each prompt's pages in
 # one run, then the generated tokens' pages interleaved across sequences), a 2048-token-wide table.
 SERVE_CASES = [(256, 1152, 32, 8, 16), (256, 1152, 16, 4, 16)]
+# The TP 2 one again with its pages shuffled (what a long-running server's free list looks like): whether the
+# layout matters. Case names end in _servelayout / _servelens.
 SERVE_TABLE = 2048
 
 
@@ -59,18 +62,23 @@ def _serve_layout(b: int, ctx: int, page: int, table_ctx: int) -> tuple[torch.Te
             torch.tensor(seqlens, dtype=torch.int32, device="cuda"), nxt)
 
 
+@functools.lru_cache(maxsize=None)
 def _vllm_fa3():
     try:
         from vllm.vllm_flash_attn import flash_attn_with_kvcache
         return flash_attn_with_kvcache
-    except Exception:  # noqa: BLE001 (absent, or built for another torch)
+    except Exception as exc:  # noqa: BLE001 (absent, or built for another torch)
+        if "vllm" in str(exc) or not isinstance(exc, ImportError):
+            print(f"  vllm_fa3 peer unavailable: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         return None
 
 
-def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False) -> list[Row]:
+def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False) -> list[Row]:
     if serve:
         table, seqlens, blocks = _serve_layout(b, ctx, page, table_ctx)
         tokens = int(seqlens.sum())
+        if shuffle:
+            table = torch.randperm(blocks, device="cuda").to(torch.int32)[table.long()]
     else:
         blocks, tokens = b * ctx // page, b * ctx
         table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // page)
@@ -83,7 +91,7 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False) -> list[Row]:
     out = torch.empty_like(q)
     bytes_moved = 2 * (2 * tokens * hkv * D + 2 * b * hq * D)
     case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{page}" + (f"_table{table_ctx}" if table_ctx else "")
-    case += "_servelayout" if serve else ""
+    case += ("_servelens" if shuffle else "_servelayout") if serve else ""
     num_sms, name = attention._device_info(q.device)
     plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, D, page, num_sms, -1, 0, name)
     step = int(decode_plan.step_chunk(plan, seqlens.cpu()))
@@ -121,7 +129,7 @@ def run(quick: bool = False) -> list[Row]:
     for case in [] if serve_only else CASES[:4] if quick else CASES:
         rows += _case(*case)
         torch.cuda.empty_cache()
-    for case in [] if quick else SERVE_CASES:
-        rows += _case(*case, SERVE_TABLE, serve=True)
+    for case, shuffle in [] if quick else [*((c, False) for c in SERVE_CASES), (SERVE_CASES[1], True)]:
+        rows += _case(*case, SERVE_TABLE, serve=True, shuffle=shuffle)
         torch.cuda.empty_cache()
     return rows
