@@ -19,10 +19,22 @@ struct slot_rule {
   const int* cache_seqlens;
   int hkv, max_splits, max_context, q_len, window_left, chunk_tokens;
 
+  // Sequence b's visible keys [lo, length): its clamped context, less what the window hides.
+  __device__ __forceinline__ int2 visible(int b) const {
+    const int length = min(max(cache_seqlens[b], 0), max_context);
+    return {window_left >= 0 ? max(length - q_len - window_left, 0) : 0, length};
+  }
+  // Whether item [start, end) of sequence b is the sequence's only one: then it finalizes into out / lse itself
+  // and the merge passes its segment by.
+  __device__ __forceinline__ bool whole(int b, int start, int end) const {
+    const int2 v = visible(b);
+    return end > start && start == v.x && end == v.y;
+  }
+
   __device__ __forceinline__ int4 operator()(int i) const {
     const int per_seq = hkv * max_splits, b = i / per_seq, s = i % max_splits;
-    const int length = min(max(cache_seqlens[b], 0), max_context);
-    const int lo = window_left >= 0 ? max(length - q_len - window_left, 0) : 0;
+    const int2 v = visible(b);
+    const int lo = v.x, length = v.y;
     const int first = lo / chunk_tokens, chunks = ceil_div(length, chunk_tokens) - first;
     const int aligned = (first + s) * chunk_tokens;
     const bool used = s < chunks;
@@ -61,7 +73,8 @@ struct attn_decode_split {
     bool direct;
     slot_rule slots;
     // single: one item per (sequence, kv head) (max_splits 1), so finish writes out and lse itself and the
-    // merge kernel is not launched.
+    // merge kernel is not launched. Otherwise an item that is its sequence's only one this step (the step's
+    // chunk covers the sequence: slot_rule::whole) does the same, and the merge skips its segment.
     bool single;
     T* out;
     long out_strides[3];
@@ -200,13 +213,14 @@ struct attn_decode_split {
 
   __device__ static void finish(consumer_state& s, scratch_block&, const globals& g, const task_t& t, int) {
     wgmma::fence_operand(s.p);
-    if (g.single) {  // an empty item (no visible key) finalizes to out 0 and lse -inf, as the merge would
+    if (g.direct && !g.single && warpgroup::thread() == 0)
+      reinterpret_cast<int4*>(g.work_items)[t.item] = make_int4(t.b, t.h, t.start, t.end);
+    // single: an empty item (no visible key) finalizes to out 0 and lse -inf, as the merge would.
+    if (g.single || g.slots.whole(t.b, t.start, t.end)) {
       write_output(s, g, t);
       reset(s);
       return;
     }
-    if (g.direct && warpgroup::thread() == 0)
-      reinterpret_cast<int4*>(g.work_items)[t.item] = make_int4(t.b, t.h, t.start, t.end);
     if (t.iters > 0) {
       const int rows = g.q_len * g.group;
       row_vec lse;
@@ -328,6 +342,8 @@ __global__ void merge_partials(tk::attn_decode_problem p, int group) {
   __shared__ float row_max, row_sum;
   const int rows = p.q_len * group, seg = blockIdx.x / rows, r = blockIdx.x % rows;
   const int b = seg / p.hkv, h = seg % p.hkv, first = seg * p.max_splits;
+  const int4 lead = reinterpret_cast<const int4*>(p.work_items)[first];
+  if (slot_rule_of(p).whole(b, lead.z, lead.w)) return;  // the decode kernel wrote this segment's rows
   for (int s = threadIdx.x; s < merge_weights(p.max_splits); s += blockDim.x) {
     weight[s] = -INFINITY;
     if (s >= p.max_splits) continue;
