@@ -64,6 +64,61 @@ def _serve_layout(b: int, ctx: int, page: int, table_ctx: int) -> tuple[torch.Te
 
 @functools.lru_cache(maxsize=None)
 def _vllm_fa3():
+    """vLLM's FA3 build as its FLASH_ATTN backend calls it for decode: (flash_attn_varlen_func,
+    get_scheduler_metadata), or None."""
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+        return flash_attn_varlen_func, get_scheduler_metadata
+    except Exception as exc:  # noqa: BLE001 (absent, or built for another torch)
+        if "vllm" in str(exc) or not isinstance(exc, ImportError):
+            print(f"  vllm_fa3 peer unavailable: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return None
+
+
+VLLM_FA3_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph
+
+
+def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out):
+    """One decode step as vLLM's FLASH_ATTN backend runs it under full CUDA graphs: the scheduler metadata (its
+    prepare kernel, part of the timed call here), then the varlen kernel with one query token a sequence."""
+    varlen, schedule = vllm_fa
+    b, _, hq, d = q.shape
+    hkv, page = k_cache.shape[2], k_cache.shape[1]
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
+    max_k = int(seqlens.max())
+    q3, out3 = q.view(b, hq, d), out.view(b, hq, d)
+
+    def call(i):
+        metadata = schedule(batch_size=b, max_seqlen_q=1, max_seqlen_k=max_k, num_heads_q=hq, num_heads_kv=hkv,
+                            headdim=d, cache_seqlens=seqlens, qkv_dtype=q.dtype, cu_seqlens_q=cu_q, page_size=page,
+                            causal=True, num_splits=VLLM_FA3_SPLITS)
+        return varlen(q3, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
+                      seqused_k=seqlens, softmax_scale=d ** -0.5, causal=True, block_table=table, out=out3,
+                      scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3)
+    return call
+
+
+def _serve_layout(b: int, ctx: int, page: int, table_ctx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(table, seqlens, blocks) of a serve-bench decode step: contexts ctx +- 128 (a fixed spread), each
+    sequence's first 1024 tokens in consecutive pages, the pages after them dealt round-robin."""
+    seqlens = [ctx - 128 + (i * 97) % 257 for i in range(b)]
+    prompt_pages = 1024 // page
+    pages = [(n + page - 1) // page for n in seqlens]
+    table = [[i * prompt_pages + j for j in range(min(prompt_pages, n))] for i, n in enumerate(pages)]
+    nxt = b * prompt_pages
+    for j in range(prompt_pages, max(pages)):
+        for i, n in enumerate(pages):
+            if j < n:
+                table[i].append(nxt)
+                nxt += 1
+    width = table_ctx // page
+    rows = [r + [0] * (width - len(r)) for r in table]
+    return (torch.tensor(rows, dtype=torch.int32, device="cuda"),
+            torch.tensor(seqlens, dtype=torch.int32, device="cuda"), nxt)
+
+
+@functools.lru_cache(maxsize=None)
+def _vllm_fa3():
     try:
         from vllm.vllm_flash_attn import flash_attn_with_kvcache
         return flash_attn_with_kvcache
@@ -103,8 +158,7 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False) -> 
         impls["fa3"] = lambda i: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                              page_table=table, causal=True)
     if vllm_fa is not None:  # the FA3 build vLLM's FLASH_ATTN backend calls (where vLLM is importable)
-        impls["vllm_fa3"] = lambda i: vllm_fa(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
-                                              causal=True, out=out, fa_version=3)
+        impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, torch.empty_like(q))
     if fa3 is None and vllm_fa is None and not serve and b * ctx <= 1 << 20:
         def gathered(i):
             k = k_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
