@@ -98,36 +98,6 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out):
     return call
 
 
-def _serve_layout(b: int, ctx: int, page: int, table_ctx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(table, seqlens, blocks) of a serve-bench decode step: contexts ctx +- 128 (a fixed spread), each
-    sequence's first 1024 tokens in consecutive pages, the pages after them dealt round-robin."""
-    seqlens = [ctx - 128 + (i * 97) % 257 for i in range(b)]
-    prompt_pages = 1024 // page
-    pages = [(n + page - 1) // page for n in seqlens]
-    table = [[i * prompt_pages + j for j in range(min(prompt_pages, n))] for i, n in enumerate(pages)]
-    nxt = b * prompt_pages
-    for j in range(prompt_pages, max(pages)):
-        for i, n in enumerate(pages):
-            if j < n:
-                table[i].append(nxt)
-                nxt += 1
-    width = table_ctx // page
-    rows = [r + [0] * (width - len(r)) for r in table]
-    return (torch.tensor(rows, dtype=torch.int32, device="cuda"),
-            torch.tensor(seqlens, dtype=torch.int32, device="cuda"), nxt)
-
-
-@functools.lru_cache(maxsize=None)
-def _vllm_fa3():
-    try:
-        from vllm.vllm_flash_attn import flash_attn_with_kvcache
-        return flash_attn_with_kvcache
-    except Exception as exc:  # noqa: BLE001 (absent, or built for another torch)
-        if "vllm" in str(exc) or not isinstance(exc, ImportError):
-            print(f"  vllm_fa3 peer unavailable: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        return None
-
-
 def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False) -> list[Row]:
     if serve:
         table, seqlens, blocks = _serve_layout(b, ctx, page, table_ctx)
