@@ -7,6 +7,7 @@ actually attended, and O.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -33,6 +34,9 @@ SERVE_CASES = [(256, 1152, 32, 8, 16), (256, 1152, 16, 4, 16)]
 # The TP 2 one again with its pages shuffled (what a long-running server's free list looks like): whether the
 # layout matters. Case names end in _servelayout / _servelens.
 SERVE_TABLE = 2048
+# And whole decode steps of the serve bench's 4-layer model (case names end in _4layers): each impl's layers
+# in one timed call (tk: one schedule a step; vLLM's FA3: one scheduler metadata a step).
+SERVE_LAYERS = 4
 
 
 def _fa3():
@@ -78,9 +82,10 @@ def _vllm_fa3():
 VLLM_FA3_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph
 
 
-def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out):
+def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1):
     """One decode step as vLLM's FLASH_ATTN backend runs it under full CUDA graphs: the scheduler metadata (its
-    prepare kernel, part of the timed call here), then the varlen kernel with one query token a sequence."""
+    prepare kernel, once a step, part of the timed call here), then each layer's varlen kernel with one query
+    token a sequence."""
     varlen, schedule = vllm_fa
     b, _, hq, d = q.shape
     hkv, page = k_cache.shape[2], k_cache.shape[1]
@@ -92,13 +97,27 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out):
         metadata = schedule(batch_size=b, max_seqlen_q=1, max_seqlen_k=max_k, num_heads_q=hq, num_heads_kv=hkv,
                             headdim=d, cache_seqlens=seqlens, qkv_dtype=q.dtype, cu_seqlens_q=cu_q, page_size=page,
                             causal=True, num_splits=VLLM_FA3_SPLITS)
-        return varlen(q3, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
-                      seqused_k=seqlens, softmax_scale=d ** -0.5, causal=True, block_table=table, out=out3,
-                      scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3)
+        for _ in range(layers):
+            varlen(q3, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_k, seqused_k=seqlens,
+                   softmax_scale=d ** -0.5, causal=True, block_table=table, out=out3, scheduler_metadata=metadata,
+                   num_splits=VLLM_FA3_SPLITS, fa_version=3)
     return call
 
 
-def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False) -> list[Row]:
+def _tk_step(q, k_cache, v_cache, seqlens, table, out, layers):
+    """A decode step of `layers` layers through tk's op: one schedule token a step (a fresh one each time the
+    step is captured or run eagerly), so the first layer builds the work list and the rest reuse it, as vLLM's
+    backend runs it. A tree whose op has no schedule_token runs the layers one by one."""
+    reuse = "schedule_token" in inspect.signature(tk_backend.flash_attn_with_kvcache).parameters
+
+    def call(i):
+        extra = {"schedule_token": object()} if reuse else {}
+        for _ in range(layers):
+            tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **extra)
+    return call
+
+
+def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, layers=1) -> list[Row]:
     if serve:
         table, seqlens, blocks = _serve_layout(b, ctx, page, table_ctx)
         tokens = int(seqlens.sum())
@@ -114,21 +133,27 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False) -> 
     v_cache = torch.randn(blocks, page, hkv, D, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(b, 1, hq, D, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    bytes_moved = 2 * (2 * tokens * hkv * D + 2 * b * hq * D)
+    bytes_moved = 2 * (2 * tokens * hkv * D + 2 * b * hq * D) * layers
     case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{page}" + (f"_table{table_ctx}" if table_ctx else "")
     case += ("_servelens" if shuffle else "_servelayout") if serve else ""
+    case += f"_{layers}layers" if layers > 1 else ""
     num_sms, name = attention._device_info(q.device)
     plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, D, page, num_sms, -1, 0, name)
     step = int(decode_plan.step_chunk(plan, seqlens.cpu()))
     print(f"  {case}: plan chunk_tokens={plan.chunk_tokens} max_splits={plan.max_splits} ctas={plan.num_ctas} "
           f"({plan.source}); this step's chunk {step} (coarsen_levels={plan.coarsen_levels})", flush=True)
-    impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
+    if layers == 1:
+        impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
+    else:
+        impls = {"tk": _tk_step(q, k_cache, v_cache, seqlens, table, out, layers)}
     fa3, vllm_fa = _fa3(), _vllm_fa3()
     if fa3 is not None:
-        impls["fa3"] = lambda i: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                             page_table=table, causal=True)
+        def fa3_step(i):
+            for _ in range(layers):
+                fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True)
+        impls["fa3"] = fa3_step
     if vllm_fa is not None:  # the FA3 build vLLM's FLASH_ATTN backend calls (where vLLM is importable)
-        impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, torch.empty_like(q))
+        impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, torch.empty_like(q), layers)
     if fa3 is None and vllm_fa is None and not serve and b * ctx <= 1 << 20:
         def gathered(i):
             k = k_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
@@ -153,7 +178,9 @@ def run(quick: bool = False) -> list[Row]:
     for case in [] if serve_only else CASES[:4] if quick else CASES:
         rows += _case(*case)
         torch.cuda.empty_cache()
-    for case, shuffle in [] if quick else [*((c, False) for c in SERVE_CASES), (SERVE_CASES[1], True)]:
-        rows += _case(*case, SERVE_TABLE, serve=True, shuffle=shuffle)
+    serve_cases = [(c, False, 1) for c in SERVE_CASES] + [(SERVE_CASES[1], True, 1)]
+    serve_cases += [(c, False, SERVE_LAYERS) for c in SERVE_CASES]
+    for case, shuffle, layers in [] if quick else serve_cases:
+        rows += _case(*case, SERVE_TABLE, serve=True, shuffle=shuffle, layers=layers)
         torch.cuda.empty_cache()
     return rows
