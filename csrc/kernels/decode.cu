@@ -2,7 +2,9 @@
 // head (q_len new tokens x the heads of its group, at most 64) are packed into one 64-row tile, so every
 // query head of the group shares each K/V load and one wgmma. CTA c runs the items the plan gave it, in
 // order, while its producer streams the item's keys page piece by page piece (16 rows, any block size).
-// Each item leaves a normalised partial output and its LSE; a small kernel then merges a segment's items.
+// Each item leaves a normalised partial output and its LSE; a small kernel then merges a segment's items. An
+// item that covers its sequence's whole visible range (the usual case once a step's chunk is coarsened) writes
+// out and lse itself, and the merge passes its segment by.
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include "../kittens/kittens.cuh"
