@@ -30,9 +30,9 @@ CASES += [(b, 1024, 32, 8, 16, WIDE_TABLE) for b in (1, 8, 64)]
 # prompts generating 256 tokens, max_model_len 2048) at TP 1 (32 / 8 heads) and TP 2 (16 / 4 heads a rank):
 # contexts spread over 1024-1280, pages laid out as vLLM's allocator hands them out (each prompt's pages in
 # one run, then the generated tokens' pages interleaved across sequences), a 2048-token-wide table.
+# Case names end in _servelayout; the TP 2 one runs again with its pages shuffled (what a long-running server's
+# free list looks like; _servelens), which says whether the layout matters.
 SERVE_CASES = [(256, 1152, 32, 8, 16), (256, 1152, 16, 4, 16)]
-# The TP 2 one again with its pages shuffled (what a long-running server's free list looks like): whether the
-# layout matters. Case names end in _servelayout / _servelens.
 SERVE_TABLE = 2048
 # And whole decode steps of the serve bench's 4-layer model (case names end in _4layers): each impl's layers
 # in one timed call (tk: one schedule a step; vLLM's FA3: one scheduler metadata a step).
