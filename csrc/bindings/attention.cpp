@@ -84,8 +84,11 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
   p.max_seqlen_k = int(std::max<int64_t>(max_seqlen_k, 1));
-  const at::Tensor task_counter = at::empty({1}, q.options().dtype(at::kInt));
-  p.task_counter = task_counter.data_ptr<int>();
+  at::Tensor task_counter;
+  if (tk::attn_varlen_claims(p)) {
+    task_counter = at::empty({1}, q.options().dtype(at::kInt));
+    p.task_counter = task_counter.data_ptr<int>();
+  }
   tk::attn_varlen(p, chk::sm_count(q.get_device()), c10::cuda::getCurrentCUDAStream());
 }
 

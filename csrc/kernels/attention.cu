@@ -30,8 +30,8 @@ struct attn_prefill {
   static constexpr int consumers = C, QROWS = 64, BQ = consumers * QROWS;
   static constexpr bool serial = C == 3 && D == 128;
   // Claims: tasks are claimed (lcsf's dynamic tasks), not strided: causal tasks differ in length, and a CTA
-  // that drew short ones takes more instead of idling while another runs long ones. run_dtype claims under
-  // causal masks at D=256, and over dense K/V at D=128 with three consumers. Measured (session 10, same-call
+  // that drew short ones takes more instead of idling while another runs long ones. tk::attn_varlen_claims
+  // says when: causal masks at D=256, and over dense K/V at D=128 with three consumers. Measured (session 10, same-call
   // A/Bs): D=256 causal 0.84-0.96 of the stride order's time; three claiming consumers at D=128 causal
   // n=4096 / 16384 0.96 / 0.90, varlen 0.93. But full masks (equal tasks) 1.03-1.04 at D=256, D=64/128 causal
   // at n <= 4096 with two consumers 1.01-1.05, D=64 with three 1.02-1.06, and paged K/V with three 1.065:
@@ -394,15 +394,21 @@ void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t strea
     case 64: return three_consumers(p) ? run<T, 64, 3>(p, num_sms, stream) : run<T, 64, 2>(p, num_sms, stream);
     case 128:
       if (!three_consumers(p)) return run<T, 128, 2>(p, num_sms, stream);
-      if (p.causal && p.block_table == nullptr) return run<T, 128, 3, true>(p, num_sms, stream);
-      return run<T, 128, 3>(p, num_sms, stream);
-    case 256: return p.causal ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);
+      return tk::attn_varlen_claims(p) ? run<T, 128, 3, true>(p, num_sms, stream) : run<T, 128, 3>(p, num_sms, stream);
+    case 256:
+      return tk::attn_varlen_claims(p) ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);
   }
 }
 
 }  // namespace
 
 namespace tk {
+
+// Claimed tasks (attn_prefill::Claims): causal masks at D=256, and over dense K/V at D=128 with three consumers.
+bool attn_varlen_claims(const attn_varlen_problem& p) {
+  if (!p.causal) return false;
+  return p.head_dim == 256 || (p.head_dim == 128 && three_consumers(p) && p.block_table == nullptr);
+}
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   if (p.max_seqlen_q <= 0 || p.batch <= 0) return;

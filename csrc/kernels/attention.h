@@ -29,10 +29,12 @@ struct attn_varlen_problem {
   bool causal;
   int window_left, window_right;  // -1: unbounded
   float softmax_scale, softcap;   // softcap 0: off
-  int* task_counter;  // int32 [1], device, any value: zeroed on the stream, then CTAs claim tasks with it
+  int* task_counter;  // when attn_varlen_claims: int32 [1], device, any value (zeroed on the stream); else unused
 };
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream);
+// Whether attn_varlen's CTAs claim their tasks through p.task_counter (else it may be null).
+bool attn_varlen_claims(const attn_varlen_problem& p);
 
 // Split-KV paged decode over a work list (tk_backend/decode_plan.py: items (sequence, kv head, key start,
 // key end), CTA c runs items [cta_start[c], cta_start[c + 1])), then the LSE merge into out / lse.
