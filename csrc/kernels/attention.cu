@@ -18,7 +18,7 @@ namespace {
 
 using tk::attn::LOG2E;
 
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool Claims>
 struct attn_prefill {
   // C consumers, 64 query rows each. Three (D=64 and D=128; 192 queries a task): each K/V tile loaded serves
   // 1.5x the queries of two. D=128 then has 160 registers a thread, too few to hold the next tile's scores
@@ -29,13 +29,14 @@ struct attn_prefill {
   static_assert(C == 2 || (C == 3 && D <= 128), "two consumers, or three at D <= 128");
   static constexpr int consumers = C, QROWS = 64, BQ = consumers * QROWS;
   static constexpr bool serial = C == 3 && D == 128;
-  // D=256 under a causal mask claims its tasks (lcsf's dynamic tasks; run() passes the counter): the tasks
-  // differ in length, and a CTA that drew short ones takes more instead of idling while another runs long
-  // ones. Measured (session 10, same-call A/B): D=256 causal 0.84-0.96 of the stride order's time; full
-  // masks (equal tasks) 1.03-1.04 and D=64/128 causal at n <= 4096 1.01-1.05, so those keep the stride order
-  // (with a null counter lcsf's feed walks it). Beside three consumers the producer's 32 registers cannot
-  // hold the claim loop (spills), and three consumers are never D=256.
-  static constexpr bool dynamic = D == 256;
+  // Claims: tasks are claimed (lcsf's dynamic tasks), not strided: causal tasks differ in length, and a CTA
+  // that drew short ones takes more instead of idling while another runs long ones. tk::attn_varlen_claims
+  // says when: causal masks at D=256, and over dense K/V at D=128 with three consumers. Measured (session 10, same-call
+  // A/Bs): D=256 causal 0.84-0.96 of the stride order's time; three claiming consumers at D=128 causal
+  // n=4096 / 16384 0.96 / 0.90, varlen 0.93. But full masks (equal tasks) 1.03-1.04 at D=256, D=64/128 causal
+  // at n <= 4096 with two consumers 1.01-1.05, D=64 with three 1.02-1.06, and paged K/V with three 1.065:
+  // those keep the stride order. (Beside three consumers the claim loop makes the producer spill 24 bytes.)
+  static constexpr bool dynamic = Claims;
   static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
@@ -338,14 +339,16 @@ inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim) {
 // longest tasks (a sequence's last query block, run first) are the ragged ones, whose idle consumers leave
 // the tensor cores to one or two, and the triangle's partly masked tiles grow with the block (session 9 on
 // the H200, same-call A/B against two consumers: full 0.89-0.98, causal n=16384 0.91-0.98, varlen causal up
-// to 8000 tokens 0.95, a 4k chunk over a 28k prefix 0.89; but causal n=1024 and n=4096 1.06-1.12).
+// to 8000 tokens 0.95, a 4k chunk over a 28k prefix 0.89; but causal n=1024 and n=4096 1.06-1.12). At D=128
+// claimed tasks (attn_prefill::dynamic) turn causal n=4096 around: 0.96 of two strided consumers' time
+// (session 10); n=1024 stays at two (1.10 with claims).
 inline bool three_consumers(const tk::attn_varlen_problem& p) {
-  return p.head_dim <= 128 && (!p.causal || p.max_seqlen_k > 4096);
+  return p.head_dim <= 128 && (!p.causal || p.max_seqlen_k > (p.head_dim == 128 ? 1024 : 4096));
 }
 
-template <typename T, int D, int C>
+template <typename T, int D, int C, bool Claims = false>
 void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
-  using K = attn_prefill<T, D, C>;
+  using K = attn_prefill<T, D, C, Claims>;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   const bool paged = p.block_table != nullptr;
   typename K::globals g{};
@@ -377,12 +380,9 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   g.scale_log2 = p.softmax_scale * LOG2E;
   g.softcap = p.softcap;
   g.heads_per_group = heads_per_l2_group(p, D);
-  g.task_counter = nullptr;
-  if constexpr (K::dynamic) {
-    if (tk::attn_varlen_claims(p)) {
-      g.task_counter = p.task_counter;
-      TK_CUDA_CHECK(cudaMemsetAsync(p.task_counter, 0, sizeof(int), stream));
-    }
+  if constexpr (Claims) {
+    g.task_counter = p.task_counter;
+    TK_CUDA_CHECK(cudaMemsetAsync(p.task_counter, 0, sizeof(int), stream));
   }
   const long tasks = long(g.q_blocks) * p.batch * p.hq;
   lcsf::launch<K>(g, int(std::min<long>(tasks, num_sms)), stream);
@@ -392,8 +392,11 @@ template <typename T>
 void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return three_consumers(p) ? run<T, 64, 3>(p, num_sms, stream) : run<T, 64, 2>(p, num_sms, stream);
-    case 128: return three_consumers(p) ? run<T, 128, 3>(p, num_sms, stream) : run<T, 128, 2>(p, num_sms, stream);
-    case 256: return run<T, 256, 2>(p, num_sms, stream);
+    case 128:
+      if (!three_consumers(p)) return run<T, 128, 2>(p, num_sms, stream);
+      return tk::attn_varlen_claims(p) ? run<T, 128, 3, true>(p, num_sms, stream) : run<T, 128, 3>(p, num_sms, stream);
+    case 256:
+      return tk::attn_varlen_claims(p) ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);
   }
 }
 
@@ -401,7 +404,11 @@ void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t strea
 
 namespace tk {
 
-bool attn_varlen_claims(const attn_varlen_problem& p) { return p.head_dim == 256 && p.causal; }
+// Claimed tasks (attn_prefill::Claims): causal masks at D=256, and over dense K/V at D=128 with three consumers.
+bool attn_varlen_claims(const attn_varlen_problem& p) {
+  if (!p.causal) return false;
+  return p.head_dim == 256 || (p.head_dim == 128 && three_consumers(p) && p.block_table == nullptr);
+}
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   if (p.max_seqlen_q <= 0 || p.batch <= 0) return;

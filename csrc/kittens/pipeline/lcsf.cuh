@@ -40,8 +40,9 @@
 // `int* task_counter`, zero at launch (the launcher's stream memset). Each CTA then starts on task `cta` and
 // claims the next one (ctas + an atomic count) whenever its producer can start loading it, and hands the id
 // to its consumers through shared memory: CTAs whose tasks finish early take more, so tasks of unequal
-// length (ragged sequences) balance themselves instead of following a fixed stride. A null task_counter
-// walks the stride order through the same feed (a launcher that claims only for some problems).
+// length (ragged sequences) balance themselves instead of following a fixed stride. (No runtime switch back
+// to the stride order: a null-counter test in the claim loop made ptxas spill ~100 bytes in the three-
+// consumer prefill kernel; a launcher that claims only for some problems instantiates both.)
 //
 // Clusters: a policy may set `static constexpr int cluster = 2` (or 4). Its CTAs then walk the work list
 // together (task ids count clusters, and K::task maps (id, rank) to each CTA's own work item), and a stage
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       };
       if constexpr (dynamic_tasks<K>()) {
         int slot = 0, feed_phase = 0;
-        for (int id = first;; id = g.task_counter ? ctas + atomicAdd(g.task_counter, 1) : id + step) {
+        for (int id = first;; id = ctas + atomicAdd(g.task_counter, 1)) {
           wait(feed_empty[slot], feed_phase ^ 1);
           feed_id[slot] = id;  // id >= num_tasks tells the consumers to stop
           arrive(feed_full[slot]);
