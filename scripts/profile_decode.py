@@ -1,6 +1,8 @@
 """Profile one paged-decode shape: plan, per-kernel CUDA times (torch profiler), for use under ncu.
 
-    python scripts/profile_decode.py B CTX HQ HKV [--iters N]
+    python scripts/profile_decode.py B CTX HQ HKV [--iters N] [--page P] [--table TOKENS]
+
+--table pads the block table to TOKENS tokens a row (columns never read), as vLLM's max_model_len-wide table is.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def main() -> None:
     ap.add_argument("shape", nargs=4, type=int)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--table", type=int, default=0)
     args = ap.parse_args()
     b, ctx, hq, hkv = args.shape
     d, page = 128, args.page
@@ -27,10 +30,12 @@ def main() -> None:
     k = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // page)
+    if args.table > ctx:
+        table = torch.cat([table, table[:, :1].expand(b, (args.table - ctx) // page)], 1).contiguous()
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     num_sms, name = attention._device_info(q.device)
-    print(decode_plan.make_plan(b, ctx, 1, hq, hkv, d, page, num_sms, -1, 0, name))
+    print(decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, d, page, num_sms, -1, 0, name))
     for _ in range(3):
         tk_backend.flash_attn_with_kvcache(q, k, v, lens, table)
     torch.cuda.synchronize()
@@ -42,7 +47,7 @@ def main() -> None:
     from benchlib import time_per_call
 
     scale = d ** -0.5
-    plan = decode_plan.make_plan(b, ctx, 1, hq, hkv, d, page, num_sms, -1, 0, name)
+    plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, d, page, num_sms, -1, 0, name)
     ws = attention._workspace(plan, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")
