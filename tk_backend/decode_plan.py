@@ -34,7 +34,10 @@ CTA assignment (persistent grid of num_ctas CTAs)
     An item costs its key count plus a fixed overhead (`item_overhead_tokens`); empty items cost 0. With
     `before[i]` the summed cost of slots < i and `total` the sum of all, CTA c runs the contiguous slots
     i in [cta_start[c], cta_start[c + 1]), namely those with c * total <= num_ctas * before[i] < (c + 1) * total.
-    So every CTA gets at most total / num_ctas + one item's cost: the imbalance is bounded by one chunk.
+    So every CTA gets at most total / num_ctas + one item's cost: the imbalance is bounded by one chunk. The end
+    marker cta_start[num_ctas] is one past the last slot with work. A CTA walks its range from slot to slot
+    with work (next_slot): after a segment's last chunk it goes straight to the next segment's first slot, so a
+    step whose chunk leaves most slots empty (a max_model_len-wide table, short contexts) does not pay for them.
 
 Combine (the LSE merge)
     Item i writes, for each of its rows r = (query t, head-in-group g):
@@ -286,7 +289,10 @@ def build_work_list(plan: DecodePlan, cache_seqlens: torch.Tensor, workspace: De
     ctas = plan.num_ctas
     bounds = torch.searchsorted(before * ctas, torch.arange(ctas, device=dev) * total)
     workspace.cta_start[:ctas].copy_(bounds)
-    workspace.cta_start[ctas:].fill_(plan.max_items)
+    # The end marker: one past the last slot with work (0 when there is none), so the last CTA does not walk
+    # the empty sequences a CUDA graph pads the batch with.
+    slots = torch.arange(1, cost.numel() + 1, device=dev)
+    workspace.cta_start[ctas:].copy_(torch.where(cost > 0, slots, 0).max())
 
 
 def _visible_keys(plan: DecodePlan, cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,15 +366,34 @@ def first_slot_at(plan: DecodePlan, lengths: list[int], target: int, chunk: int 
     return (b_star + 1) * hkv * splits
 
 
+def end_of_work(plan: DecodePlan, lengths: list[int], chunk: int | None = None) -> int:
+    """One past the last slot with work (0 if none): the end marker cta_start[num_ctas]."""
+    for b in reversed(range(len(lengths))):
+        chunks = segment(plan, lengths[b], chunk)[2]
+        if chunks:
+            return ((b + 1) * plan.num_kv_heads - 1) * plan.max_splits + chunks
+    return 0
+
+
+def next_slot(plan: DecodePlan, lengths: list[int], slot: int, chunk: int | None = None) -> int:
+    """The slot a CTA runs after `slot`: the next one while the segment has more chunks, else the next segment's
+    first (a segment's used slots come first, so its empty ones are passed in one step)."""
+    b = slot // (plan.num_kv_heads * plan.max_splits)
+    if slot % plan.max_splits + 1 < segment(plan, lengths[b], chunk)[2]:
+        return slot + 1
+    return (slot // plan.max_splits + 1) * plan.max_splits
+
+
 def cta_range(plan: DecodePlan, lengths: list[int], cta: int, chunk: int | None = None) -> tuple[int, int]:
     """The slots [start, end) CTA `cta` runs: workspace.cta_start[cta], workspace.cta_start[cta + 1] (at the
     step's chunk, if coarsened)."""
     total = plan.num_kv_heads * sum(segment(plan, length, chunk)[3] for length in lengths)
     if total == 0:
-        return (0, 0) if cta + 1 < plan.num_ctas else (0, plan.max_items)
+        return (0, 0)
 
     def bound(c: int) -> int:
-        return plan.max_items if c >= plan.num_ctas else first_slot_at(plan, lengths, c * total, chunk)
+        return end_of_work(plan, lengths, chunk) if c >= plan.num_ctas else first_slot_at(plan, lengths, c * total,
+                                                                                           chunk)
 
     return bound(cta), bound(cta + 1)
 

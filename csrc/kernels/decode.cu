@@ -100,6 +100,14 @@ struct attn_decode_split {
     return {g.cta_start[cta], g.cta_start[cta + 1]};
   }
   __device__ static int task_count(const globals&) { return 0; }  // unused: task_range decides
+  // After a segment's last item (or an empty slot) the walk goes straight to the next segment's first slot: a
+  // segment's used slots come first, and a step's chunk can leave most of them empty (short contexts under a
+  // max_model_len-wide table, or any coarsened step), each of which would otherwise cost a dependent load.
+  __device__ static int next_task(const globals& g, const task_t& t, int id) {
+    const int length = min(max(t.len, 0), g.slots.max_context);
+    if (g.direct || (t.end > t.start && t.end < length)) return id + 1;
+    return (id / g.slots.max_splits + 1) * g.slots.max_splits;
+  }
   __device__ static task_t task(const globals& g, int id, int) {
     const int4 w = g.direct ? g.slots(id) : reinterpret_cast<const int4*>(g.work_items)[id];
     task_t t{id, w.x, w.y, w.z, w.w, w.z & ~(PIECE - 1), g.cache_seqlens[w.x], 0};
@@ -290,6 +298,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
     typename reduce_t::TempStorage reduce;
   } storage;
   __shared__ long long carry, total_cost;
+  __shared__ int end_of_work;  // one past the last slot with work
   const int n = p.max_items, ctas = p.num_ctas;
   slot_rule slot = slot_rule_of(p);
   if (p.coarsen_levels > 0) slot.chunk_tokens = step_chunk(p);
@@ -297,24 +306,31 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
     w = slot(i);
     return w.w > w.z ? (w.w - w.z) + p.item_overhead : 0;
   };
-  // Pass 1: the total cost (and the work items themselves).
+  // Pass 1: the total cost, the end of the work (and the work items themselves).
+  if (threadIdx.x == 0) end_of_work = 0;
+  __syncthreads();
   long long mine = 0;
+  int my_end = 0;
   for (int i = threadIdx.x; i < n; i += SCHEDULE_THREADS) {
     int4 w;
-    mine += item(i, w);
+    const long long cost = item(i, w);
+    mine += cost;
+    if (cost > 0) my_end = i + 1;
     reinterpret_cast<int4*>(p.work_items)[i] = w;
   }
+  if (my_end > 0) atomicMax(&end_of_work, my_end);
   const long long total = reduce_t(storage.reduce).Sum(mine);
   if (threadIdx.x == 0) total_cost = total, carry = 0;
   __syncthreads();
   if (total_cost == 0) {  // nothing to do: every CTA gets an empty range
-    for (int c = threadIdx.x; c <= ctas; c += SCHEDULE_THREADS) p.cta_start[c] = c == ctas ? n : 0;
+    for (int c = threadIdx.x; c <= ctas; c += SCHEDULE_THREADS) p.cta_start[c] = 0;
     return;
   }
   // Pass 2: slot i owns the CTAs c with ctas * before_i < c * total <= ctas * (before_i + cost_i), which start at
-  // slot i + 1; CTA 0 starts at slot 0 and the end marker is max_items. The intervals partition (0, ctas), so
-  // every entry is written once.
-  if (threadIdx.x == 0) p.cta_start[0] = 0, p.cta_start[ctas] = n;
+  // slot i + 1; CTA 0 starts at slot 0. The intervals partition (0, ctas), so every entry is written once. The end
+  // marker is one past the last slot with work, so the last CTA does not walk the empty sequences a CUDA graph
+  // pads the batch with.
+  if (threadIdx.x == 0) p.cta_start[0] = 0, p.cta_start[ctas] = end_of_work;
   for (int base = 0; base < n; base += SCHEDULE_THREADS) {
     const int i = base + threadIdx.x;
     int4 w;

@@ -50,7 +50,9 @@ def _check_work_list(plan, lengths, ws):
 
 def _check_balance(plan, ws):
     starts = ws.cta_start.tolist()
-    assert starts[0] == 0 and starts[-1] == plan.max_items and starts == sorted(starts)
+    used = [i for i, (_, _, s, e) in enumerate(ws.work_items.tolist()) if e > s]
+    assert starts[0] == 0 and starts == sorted(starts)
+    assert starts[-1] == (used[-1] + 1 if used else 0), "the end marker is one past the last slot with work"
     tokens = (ws.work_items[:, 3] - ws.work_items[:, 2]).long()
     cost = tokens + plan.item_overhead_tokens * (tokens > 0)
     total = int(cost.sum())
@@ -276,6 +278,31 @@ def test_per_cta_closed_form_equals_the_work_list(seed):
     chunk = int(decode_plan.step_chunk(plan, torch.tensor(lengths, dtype=torch.int32)))
     for c in range(plan.num_ctas):
         assert decode_plan.cta_range(plan, lengths, c, chunk) == (cta_start[c], cta_start[c + 1]), (c, lengths, plan)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_walk_by_next_slot_runs_every_item_once(seed):
+    """A CTA walks its range with next_slot (as the decode kernel does): together the walks run exactly the slots
+    with work, each once, and a walk steps at most once per segment past its items."""
+    rng = random.Random(seed)
+    batch = rng.choice([1, 3, 8])
+    plan = _plan(batch, rng.choice([1000, 40000, 131072]), hq=8, hkv=rng.choice([1, 2, 8]), sms=rng.choice([1, 7, 132]),
+                 num_splits=rng.choice([0, 0, 5]))
+    lengths = [rng.choice([0, 1, rng.randint(1, 3000), plan.max_context]) for _ in range(batch)]
+    ws = _built(plan, lengths)
+    chunk = int(decode_plan.step_chunk(plan, torch.tensor(lengths, dtype=torch.int32)))
+    items = ws.work_items.tolist()
+    starts = ws.cta_start.tolist()
+    ran, steps = [], 0
+    for c in range(plan.num_ctas):
+        slot = starts[c]
+        while slot < starts[c + 1]:
+            ran.append(slot)
+            steps += 1
+            slot = decode_plan.next_slot(plan, lengths, slot, chunk)
+    used = [i for i, (_, _, s, e) in enumerate(items) if e > s]
+    assert sorted(i for i in ran if i in set(used)) == used
+    assert steps <= len(used) + plan.num_ctas + batch * plan.num_kv_heads
 
 
 def _h200_plan(batch, max_context, num_splits=0):

@@ -178,3 +178,27 @@ def test_direct_and_scheduled_modes_agree_with_the_reference(batch, contexts, se
     ref, _ = reference.decode(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0)
     live = seqlens > 0
     assert_close(out[live], ref[live], rel=2e-2, atol=2e-2, what=f"batch={batch} seed={seed}")
+
+
+def test_wide_table_short_contexts_and_padding(seed):
+    """Short contexts under a block table sized for 128k tokens, with zero-length requests padding the batch (as
+    vLLM's max_model_len-wide table and its CUDA-graph batch are): most slots are empty, and the CTAs pass them."""
+    rng = random.Random(seed)
+    batch, hkv, group, d, block_size = 12, 8, 4, 128, 16
+    contexts = [rng.randint(1, 2000) for _ in range(8)] + [0] * 4
+    k_cache, v_cache, table = _cache(rng, batch, [max(c, 1) for c in contexts], block_size, hkv, d)
+    wide = 131072 // block_size
+    table = torch.cat([table, table[:, :1].expand(batch, wide - table.shape[1])], 1).contiguous()
+    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    num_sms, name = _attention._device_info(q.device)
+    plan = decode_plan.make_plan(batch, table.shape[1] * block_size, 1, hkv * group, hkv, d, block_size, num_sms,
+                                 -1, 0, name)
+    assert plan.max_items > plan.num_ctas and plan.max_splits > 8, plan  # scheduled, mostly empty slots
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, return_softmax_lse=True)
+    ref, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
+    live = seqlens > 0
+    assert_close(out[live], ref[live], rel=2e-2, atol=2e-2, what=f"wide table seed={seed}")
+    assert_close(lse[live], ref_lse[live], rel=1e-3, atol=1e-3, what=f"wide table lse seed={seed}")
+    assert (out[~live] == 0).all() and (lse[~live] == float("-inf")).all()

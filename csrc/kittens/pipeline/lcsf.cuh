@@ -17,7 +17,9 @@
 //     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
 //   };
 //   Optional: static int2 task_range(const globals&, int cta, int ctas): this CTA runs tasks [x, y) in order
-//   (a precomputed, balanced split) instead of every ctas-th task from its index,
+//   (a precomputed, balanced split) instead of every ctas-th task from its index, and with it
+//   static int next_task(const globals&, const task_t&, int id): the task after `id` in that range (default
+//   id + 1; a work list with runs of empty slots skips them in one step),
 //   static void compute_first(consumer_state&, input_block&, scratch_block&, const globals&,
 //   const task_t&, int consumer) for a task's first stage (else compute(..., 0, ...)),
 //   static void init_scratch(scratch_block&) (one thread, before the block starts; e.g. semaphores),
@@ -87,6 +89,12 @@ template <typename K> consteval bool dynamic_tasks() {
   if constexpr (requires { K::dynamic; }) return K::dynamic;
   else return false;
 }
+// The task after `id` in a CTA's walk: K::next_task where the policy has one (its work list skips), else id + step.
+template <typename K>
+__device__ __forceinline__ int next_id(const typename K::globals& g, const typename K::task_t& t, int id, int step) {
+  if constexpr (requires { K::next_task(g, t, id); }) return K::next_task(g, t, id);
+  else return id + step;
+}
 // The producer's registers: 40 beside two consumers; beside three, 32 (3 x 160 + 32 fill the file exactly, so
 // the consumers keep 160; 24 made the paged loads' page lookups spill).
 template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 32 : 40;
@@ -153,6 +161,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
           K::load(smem.ring[stage], g, t, it, full[stage]);
           if (++stage == K::stages) stage = 0, phase ^= 1;
         }
+        return t;
       };
       if constexpr (dynamic_tasks<K>()) {
         int slot = 0, feed_phase = 0;
@@ -165,7 +174,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
           load_task(id);
         }
       } else {
-        for (int id = first; id < num_tasks; id += step) load_task(id);
+        for (int id = first; id < num_tasks;) id = next_id<K>(g, load_task(id), id, step);
       }
     }
   } else {  // consumer `role`
@@ -228,7 +237,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       const typename K::task_t t = K::task(g, id, rank);
       if constexpr (staggered_pairs<K>()) {
         run_staggered(t);
-        return;
+        return t;
       }
       int previous = -1;
       // The first stage is peeled off so that the steady-state body has no branch around its wgmma
@@ -256,6 +265,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       warpgroup::mma_async_wait<0>();
       if (release_lag<K>() == 1 && previous >= 0) release(previous);
       K::finish(state, smem.scratch, g, t, role);
+      return t;
     };
     if constexpr (dynamic_tasks<K>()) {
       for (int slot = 0, feed_phase = 0;;) {
@@ -269,7 +279,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         run_task(id);
       }
     } else {
-      for (int id = first; id < num_tasks; id += step) run_task(id);
+      for (int id = first; id < num_tasks;) id = next_id<K>(g, run_task(id), id, step);
     }
     // Shared memory must outlive pending stores. Bulk-store groups belong to the thread that committed them,
     // and kernels issue from one lane of any warp (the GEMM's per-warp epilogue): each warp's lane 0 waits.
