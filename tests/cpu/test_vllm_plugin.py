@@ -384,6 +384,7 @@ class _KernelStandIns:
 
     def __init__(self):
         self.calls: list[str] = []
+        self.decode_table_widths: list[int] = []
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
@@ -406,6 +407,7 @@ class _KernelStandIns:
         meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, cache_seqlens, block_table, out)]
         attention.validate_decode(*meta[:5], softmax_scale, causal, window_size, softcap, num_splits, meta[5])
         self.calls.append(f"decode{tuple(q.shape[:2])}")
+        self.decode_table_widths.append(block_table.shape[1])
         o, _ = reference.decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
                                 window_size, softcap)
         out.copy_(o)
@@ -461,6 +463,29 @@ def test_forward_splits_mixed_batches_between_the_decode_and_prefill_ops(kernels
     sim.step({n: 5, **mixed})  # not reordered (a prefill first): all through the prefill op
     sim.step({0: 1, 1: 1, n: 7})  # too few decodes to split
     assert kernels.calls == [f"decode({n}, 1)", "varlen", f"decode({n}, 1)", "varlen", "varlen", "varlen"]
+
+
+def test_decode_reads_only_the_columns_the_step_needs_of_a_wide_table(kernels):
+    """vLLM's block table is max_model_len wide; an eager step's decode gets the columns max_seq_len needs (a power
+    of two of pages), uniform and mixed batches alike, with the same outputs (the simulation checks them)."""
+    n = MIN_SPLIT_DECODES + 1
+    sim = ServingSimulation(8, 2, 64, prompt_lens=[40] * n + [90], max_len=4096)
+    assert sim.max_blocks == 256
+    sim.step({r: 30 + r for r in range(n)})  # prefills: contexts up to 30 + n - 1
+    kernels.decode_table_widths.clear()
+    sim.step({r: 1 for r in range(n)})  # uniform decode
+    sim.step({**{r: 1 for r in range(n)}, n: 40})  # mixed: n decodes, then a 40-token prefill
+    assert kernels.calls[-3:] == [f"decode({n}, 1)", f"decode({n}, 1)", "varlen"]
+    assert kernels.decode_table_widths == [4, 4]  # max_seq_len 30 + n <= 64 keys: 4 pages of 16 (a power of two)
+
+
+def test_step_block_table_bounds_every_context():
+    table = torch.arange(4 * 300, dtype=torch.int32).view(4, 300)
+    for max_seq_len, width in [(0, 1), (1, 1), (16, 1), (17, 2), (1152, 128), (4096, 256), (4800, 300)]:
+        got = tk_vllm_backend.step_block_table(table, max_seq_len, 16)
+        assert got.shape == (4, width) and got.stride() == table.stride(), max_seq_len
+        assert got.shape[1] * 16 >= min(max_seq_len, 300 * 16)
+        assert torch.equal(got, table[:, :width])
 
 
 @pytest.mark.parametrize("sliding_window,softcap", [(24, None), (None, 20.0), (9, 5.0)])

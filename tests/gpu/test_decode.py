@@ -202,3 +202,22 @@ def test_wide_table_short_contexts_and_padding(seed):
     assert_close(out[live], ref[live], rel=2e-2, atol=2e-2, what=f"wide table seed={seed}")
     assert_close(lse[live], ref_lse[live], rel=1e-3, atol=1e-3, what=f"wide table lse seed={seed}")
     assert (out[~live] == 0).all() and (lse[~live] == float("-inf")).all()
+
+
+def test_column_slice_of_a_wide_table(seed):
+    """The vLLM backend passes a column slice of its max_model_len-wide block table (rows strided by the full width):
+    the same output as the contiguous copy, against the reference."""
+    rng = random.Random(seed)
+    batch, hkv, group, d, block_size = 6, 2, 4, 128, 16
+    contexts = [rng.randint(1, 1000) for _ in range(batch)]
+    k_cache, v_cache, table = _cache(rng, batch, contexts, block_size, hkv, d)
+    wide = torch.cat([table, table[:, :1].expand(batch, 4096 - table.shape[1])], 1).contiguous()
+    sliced = wide[:, : table.shape[1]]
+    assert sliced.stride(0) == 4096 and not sliced.is_contiguous()
+    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    out = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, sliced)
+    same = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, sliced.contiguous())
+    ref, _ = reference.decode(q, k_cache, v_cache, seqlens, table)
+    assert torch.equal(out, same)
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"column slice seed={seed}")
