@@ -12,7 +12,10 @@ in runs_s. Impls: tk (--attention-backend TK), flash_attn (FLASH_ATTN, FA3 on sm
 (TRITON_ATTN); TK_SERVE_IMPLS=tk,flash_attn runs a subset, TK_SERVE_REPEATS=N N rounds (default 5).
 
 Cases: offline_512x1024in_256out (prefill-heavy) and offline_64x128in_1024out (decode-heavy). With
-TK_SERVE_TP=2 the engines run tensor parallel 2 and the case names get the suffix _tp2.
+TK_SERVE_TP=2 the engines run tensor parallel 2 and the case names get the suffix _tp2. TK_SERVE_MAX_MODEL_LEN
+(default 2048) sets max_model_len, and so the width of vLLM's block table, which decode kernels that plan from
+the table's width feel although the contexts stay at most 1280 tokens; other values add the suffix _len<N> (a
+longer length builds the model with that many positions).
 Needs vLLM importable (GPU host: source /tmp/vllm_site/env.sh); otherwise the family is skipped with a reason.
 """
 from __future__ import annotations
@@ -37,6 +40,8 @@ RUN_TIMEOUT_S = 600  # one timed run
 # Timed runs per case and impl (TK_SERVE_REPEATS overrides); the row is their median, all runs are kept. Session
 # 11's TP 2 runs of one engine spread 2.3-3.6 s: a 2% verdict wants more rounds (and TK_SERVE_IMPLS=tk,flash_attn).
 REPEATS = int(os.environ.get("TK_SERVE_REPEATS", "5"))
+MAX_MODEL_LEN = int(os.environ.get("TK_SERVE_MAX_MODEL_LEN", "2048"))
+DEFAULT_POSITIONS = 8192  # build_tiny_model's max_position_embeddings
 # Each engine's KV cache: the largest case holds at most 256 sequences of 1280 tokens at once, 16 KiB a token
 # (4 layers x K and V x 8 kv heads x 128 x 2 bytes): 5 GiB.
 KV_CACHE_BYTES = 8 << 30
@@ -52,7 +57,9 @@ def build_model() -> Path:
     sys.path.insert(0, str(REPO / "examples"))
     from build_tiny_model import build
 
-    return build(Path(tempfile.gettempdir()) / f"tk_serve_{PRESET}", preset=PRESET)
+    positions = max(DEFAULT_POSITIONS, MAX_MODEL_LEN)
+    name = f"tk_serve_{PRESET}" + (f"_pos{positions}" if positions != DEFAULT_POSITIONS else "")
+    return build(Path(tempfile.gettempdir()) / name, preset=PRESET, max_position_embeddings=positions)
 
 
 def engine(model: str, backend: str, tp: int, **extra):
@@ -60,7 +67,7 @@ def engine(model: str, backend: str, tp: int, **extra):
     from transformers import AutoTokenizer
     from vllm import LLM
 
-    llm = LLM(model=model, attention_backend=backend, tensor_parallel_size=tp, seed=0, max_model_len=2048,
+    llm = LLM(model=model, attention_backend=backend, tensor_parallel_size=tp, seed=0, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=256, gpu_memory_utilization=0.15, kv_cache_memory_bytes=KV_CACHE_BYTES,
               enable_prefix_caching=False, enforce_eager=False, **extra)
     return llm, len(AutoTokenizer.from_pretrained(model))
@@ -192,7 +199,7 @@ def run(quick: bool = False) -> list:
         print(f"serve: skipped (vLLM is not importable: {exc}; GPU host: source /tmp/vllm_site/env.sh)", flush=True)
         return []
     tp = int(os.environ.get("TK_SERVE_TP", "1"))
-    suffix = f"_tp{tp}" if tp > 1 else ""
+    suffix = (f"_tp{tp}" if tp > 1 else "") + (f"_len{MAX_MODEL_LEN}" if MAX_MODEL_LEN != 2048 else "")
     cases = list(CASES)[1:] if quick else list(CASES)
     model = build_model()
     env = vllm_env()
