@@ -317,13 +317,18 @@ def step_chunk(plan: DecodePlan, cache_seqlens: torch.Tensor) -> torch.Tensor:
     return plan.chunk_tokens * 2**best  # arithmetic, not chunks[best]: no data-dependent indexing to trace
 
 
+def _visible(plan: DecodePlan, length: int) -> tuple[int, int]:
+    """(lo, length) of one sequence: _visible_keys for a Python int."""
+    length = min(max(length, 0), plan.max_context)
+    return (max(length - plan.q_len - plan.window_left, 0) if plan.window_left >= 0 else 0), length
+
+
 def segment(plan: DecodePlan, length: int, chunk: int | None = None) -> tuple[int, int, int, int]:
     """(lo, first chunk, chunk count, cost) of a sequence with `length` cached keys, in chunks of `chunk`
     (default: the plan's; a coarsened step's is step_chunk): the per-sequence closed form behind
     build_work_list (every kv head of the sequence has the same segment)."""
     chunk = chunk or plan.chunk_tokens
-    length = min(max(length, 0), plan.max_context)
-    lo = max(length - plan.q_len - plan.window_left, 0) if plan.window_left >= 0 else 0
+    lo, length = _visible(plan, length)
     first = lo // chunk
     chunks = max(_ceil_div(length, chunk) - first, 0)
     return lo, first, chunks, (length - lo) + chunks * plan.item_overhead_tokens if chunks else 0
@@ -335,7 +340,7 @@ def item_cost(plan: DecodePlan, length: int, s: int, chunk: int | None = None) -
     lo, first, chunks, _ = segment(plan, length, chunk)
     if s >= chunks:
         return 0
-    length = min(max(length, 0), plan.max_context)
+    length = _visible(plan, length)[1]
     start = max((first + s) * chunk, lo)
     end = min((first + s + 1) * chunk, length)
     return end - start + plan.item_overhead_tokens

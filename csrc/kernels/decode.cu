@@ -21,9 +21,11 @@ struct slot_rule {
   const int* cache_seqlens;
   int hkv, max_splits, max_context, q_len, window_left, chunk_tokens;
 
+  // A context length as the kernels see it: clamped to what the block table can address.
+  __device__ __forceinline__ int clamped(int length) const { return min(max(length, 0), max_context); }
   // Sequence b's visible keys [lo, length): its clamped context, less what the window hides.
   __device__ __forceinline__ int2 visible(int b) const {
-    const int length = min(max(cache_seqlens[b], 0), max_context);
+    const int length = clamped(cache_seqlens[b]);
     return {window_left >= 0 ? max(length - q_len - window_left, 0) : 0, length};
   }
   // Whether item [start, end) of sequence b is the sequence's only one: then it finalizes into out / lse itself
@@ -104,8 +106,7 @@ struct attn_decode_split {
   // segment's used slots come first, and a step's chunk can leave most of them empty (short contexts under a
   // max_model_len-wide table, or any coarsened step), each of which would otherwise cost a dependent load.
   __device__ static int next_task(const globals& g, const task_t& t, int id) {
-    const int length = min(max(t.len, 0), g.slots.max_context);
-    if (g.direct || (t.end > t.start && t.end < length)) return id + 1;
+    if (g.direct || (t.end > t.start && t.end < g.slots.clamped(t.len))) return id + 1;
     return (id / g.slots.max_splits + 1) * g.slots.max_splits;
   }
   __device__ static task_t task(const globals& g, int id, int) {
@@ -262,9 +263,10 @@ __device__ int step_chunk(const tk::attn_decode_problem& p) {
   __shared__ typename reduce_t::TempStorage storage;
   __shared__ int chosen;
   long long cost[tk::DECODE_MAX_COARSEN_LEVELS + 1] = {};
+  const slot_rule rule = slot_rule_of(p);
   for (int b = threadIdx.x; b < p.batch; b += SCHEDULE_THREADS) {
-    const int length = min(max(p.cache_seqlens[b], 0), p.max_context);
-    const int lo = p.window_left >= 0 ? max(length - p.q_len - p.window_left, 0) : 0;
+    const int2 v = rule.visible(b);
+    const int lo = v.x, length = v.y;
 #pragma unroll
     for (int j = 0; j <= tk::DECODE_MAX_COARSEN_LEVELS; j++) {
       const int chunk = p.chunk_tokens << min(j, p.coarsen_levels);
