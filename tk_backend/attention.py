@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from tk_backend import _checks, decode_plan
+from tk_backend import _checks, decode_balanced, decode_plan
 from tk_backend._library import lib, require_kernels
 
 HEAD_DIMS = (64, 128, 256)
@@ -39,8 +39,8 @@ lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> 
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
-    "int chunk_tokens, int item_overhead, int coarsen_levels, float softmax_scale, bool causal, int window_left, "
-    "int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
+    "int chunk_tokens, int item_overhead, int coarsen_levels, bool balanced, float softmax_scale, bool causal, "
+    "int window_left, int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
 )
 
 
@@ -407,33 +407,58 @@ def _device_info(device: torch.device) -> tuple[int, str]:
 _workspaces: dict[tuple, list[decode_plan.DecodeWorkspace]] = {}
 
 
-def _workspace(plan: decode_plan.DecodePlan, device: torch.device) -> decode_plan.DecodeWorkspace:
+def _workspace(plan: decode_plan.DecodePlan, device: torch.device, items: int | None = None
+               ) -> decode_plan.DecodeWorkspace:
+    """A workspace of `items` rows (default: the plan's max_items)."""
+    items = plan.max_items if items is None else items
     held = _workspaces.setdefault((device, plan.q_len, plan.group, plan.head_dim, plan.num_ctas), [])
-    if not held or held[-1].capacity < plan.max_items:
-        capacity = max(plan.max_items, 2 * held[-1].capacity if held else 0)
-        held.append(decode_plan.DecodeWorkspace.allocate(plan, device, items=capacity))
-    return held[-1].prefix(plan.max_items)
+    if not held or held[-1].capacity < items:
+        capacity = max(items, 2 * held[-1].capacity if held else 0)
+        held.append(decode_plan.DecodeWorkspace.allocate(plan, device, items=capacity, needed=items))
+    return held[-1].prefix(items)
+
+
+# Balanced mode pays where the static work list is mostly empty slots: a block table far wider than the contexts
+# (vLLM's is max_model_len wide, and a CUDA graph keeps all of it) or one long sequence, which is where the plan
+# cuts each sequence into many splits. 1k contexts under a 128k-token table (32-64 splits at b1 / b8, 16 at b64)
+# took 0.64 / 0.75 / 0.83 of the static schedule's time (session 13); at 2-8 splits the static plan of uniform
+# contexts is balanced already, and balanced mode's extra pieces cost 1.03x (b8, 8k and 32k contexts).
+BALANCED_MIN_SPLITS = 16
+
+
+def balanced_mode(plan: decode_plan.DecodePlan, num_splits: int = 0) -> bool:
+    """Whether _decode_split runs the planner's `plan` in balanced mode (see there)."""
+    return (plan.max_items > plan.num_ctas and plan.max_splits >= BALANCED_MIN_SPLITS and num_splits <= 0
+            and plan.num_ctas <= decode_balanced.MAX_CTAS)
 
 
 def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out,
                   plan: decode_plan.DecodePlan | None = None):
     """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows); `plan` overrides
-    the planner (scripts/tune.py times chunks with it)."""
+    the planner and its static schedule runs as given (scripts/tune.py times chunks with it)."""
     bsz, q_len, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    if plan is None:
+    planned = plan is None
+    if planned:
         num_sms, device_name = _device_info(q.device)
         max_context = block_table.shape[1] * block_size
         plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0],
                                      num_splits, device_name)
-    workspace = _workspace(plan, q.device)
+    # Balanced mode (decode_balanced) wherever the planner's plan would schedule (more slots than CTAs) with at
+    # least BALANCED_MIN_SPLITS splits a sequence, and num_splits does not force the split: its workspace is two
+    # partial slots a CTA (and the stream offsets in work_items), whatever the block table's width. A plan of few
+    # splits (many sequences, or a table as wide as the contexts) already gives CTAs whole items, and a one-split
+    # plan needs no merge, which balanced mode's cuts would bring back.
+    balanced = planned and balanced_mode(plan, num_splits)
+    items = decode_balanced.workspace_items(bsz, plan.num_ctas) if balanced else plan.max_items
+    workspace = _workspace(plan, q.device, items)
     q = _addressable_copy(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
     torch.ops.tk.attn_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
         workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens,
-        plan.coarsen_levels, scale, causal, window[0], window[1], softcap, out, lse,
+        plan.coarsen_levels, balanced, scale, causal, window[0], window[1], softcap, out, lse,
     )
     return out, lse
 

@@ -116,11 +116,14 @@ class DecodeWorkspace:
     partial_lse: torch.Tensor  # float32 [max_items, q_len, group]
 
     @classmethod
-    def allocate(cls, plan: DecodePlan, device: torch.device | str, items: int | None = None) -> "DecodeWorkspace":
-        """Buffers for `items` work items (default: exactly plan.max_items) of plan's row layout."""
+    def allocate(cls, plan: DecodePlan, device: torch.device | str, items: int | None = None,
+                 needed: int | None = None) -> "DecodeWorkspace":
+        """Buffers for `items` work items (default: exactly plan.max_items) of plan's row layout; `needed` (default
+        plan.max_items) is the least the caller's use takes (balanced decode: decode_balanced.workspace_items)."""
         n = plan.max_items if items is None else items
-        if n < plan.max_items:
-            raise ValueError(f"a workspace of {n} items cannot hold the plan's {plan.max_items}")
+        needed = plan.max_items if needed is None else needed
+        if n < needed:
+            raise ValueError(f"a workspace of {n} items cannot hold the plan's {needed}")
         return cls(
             work_items=torch.empty(n, 4, dtype=torch.int32, device=device),
             cta_start=torch.empty(plan.num_ctas + 1, dtype=torch.int32, device=device),

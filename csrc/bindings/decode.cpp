@@ -23,7 +23,7 @@ void float_contiguous(const at::Tensor& t, const at::Tensor& q, const char* name
 void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& cache_seqlens, const at::Tensor& block_table, at::Tensor& work_items,
                  at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
-                 int64_t item_overhead, int64_t coarsen_levels,
+                 int64_t item_overhead, int64_t coarsen_levels, bool balanced,
                  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
                  at::Tensor& out, at::Tensor& lse) {
   chk::cuda(q, "q");
@@ -54,7 +54,18 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   int32_contiguous(cta_start, q, "cta_start");
   TORCH_CHECK(work_items.dim() == 2 && work_items.size(1) == 4, "work_items must be [max_items, 4]");
   const int64_t max_items = work_items.size(0);
-  TORCH_CHECK(max_items % (batch * hkv) == 0, "work_items must hold batch x kv_heads x max_splits slots");
+  const int64_t ctas = cta_start.size(0) - 1;
+  TORCH_CHECK(ctas >= 1, "cta_start must hold num_ctas + 1 >= 2 entries, got ", cta_start.size(0));
+  if (balanced) {  // two partial slots a CTA; work_items holds the int64 stream offsets [batch + 1]
+    TORCH_CHECK(ctas <= tk::DECODE_BALANCED_MAX_CTAS, "balanced decode runs on at most ",
+                tk::DECODE_BALANCED_MAX_CTAS, " CTAs, got ", ctas);
+    TORCH_CHECK(max_items >= 2 * ctas && 2 * max_items >= batch + 1, "balanced decode needs work_items of at least ",
+                std::max(2 * ctas, (batch + 2) / 2), " rows, got ", max_items);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(work_items.data_ptr()) % 8 == 0,
+                "balanced decode keeps int64 offsets in work_items: its data must be 8-byte aligned");
+  } else {
+    TORCH_CHECK(max_items % (batch * hkv) == 0, "work_items must hold batch x kv_heads x max_splits slots");
+  }
   float_contiguous(partial_out, q, "partial_out");
   float_contiguous(partial_lse, q, "partial_lse");
   TORCH_CHECK(partial_out.numel() == max_items * rows * d && partial_lse.numel() == max_items * rows,
@@ -102,6 +113,7 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.chunk_tokens = int(chunk_tokens);
   p.item_overhead = int(item_overhead);
   p.coarsen_levels = int(coarsen_levels);
+  p.balanced = balanced;
   p.max_context = int(max_context);
   p.causal = causal;
   p.window_left = int(window_left);

@@ -59,6 +59,10 @@ struct attn_decode_problem {
   int batch, q_len, hq, hkv, num_blocks, block_size, max_items, max_splits, num_ctas;
   int chunk_tokens, item_overhead, max_context;  // the plan (tk_backend/decode_plan.py)
   int coarsen_levels;  // the schedule may double chunk_tokens up to this many times (decode_plan: Coarsening)
+  // Balanced mode (tk_backend/decode_balanced.py): shares of the step's keys instead of the plan's chunks;
+  // chunk_tokens / coarsen_levels unused, work_items holds the stream offsets (int64 [batch + 1]), partial_out /
+  // partial_lse two slots a CTA (max_items >= 2 * num_ctas).
+  bool balanced;
   bool causal;
   int window_left, window_right;
   float softmax_scale, softcap;
@@ -66,5 +70,6 @@ struct attn_decode_problem {
 
 void attn_decode(const attn_decode_problem& p, cudaStream_t stream);
 constexpr int DECODE_MAX_COARSEN_LEVELS = 15;  // decode_plan.MAX_COARSEN_LEVELS
+constexpr int DECODE_BALANCED_MAX_CTAS = 1024;  // balanced mode's schedule kernel: two CTAs a thread
 
 }  // namespace tk

@@ -15,18 +15,24 @@ using namespace kittens;
 
 namespace {
 
+// A context length as the kernels see it: clamped to what the block table can address.
+__device__ __forceinline__ int clamped_length(int length, int max_context) { return min(max(length, 0), max_context); }
+// Sequence b's visible keys [lo, length): its context clamped to the table, less what the window hides.
+__device__ __forceinline__ int2 visible_keys(const int* cache_seqlens, int b, int max_context, int q_len,
+                                             int window_left) {
+  const int length = clamped_length(cache_seqlens[b], max_context);
+  return {window_left >= 0 ? max(length - q_len - window_left, 0) : 0, length};
+}
+
 // Slot i of the work list: ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned key range of sequence b
 // that intersects its visible keys [lo_b, L_b) (empty past the sequence's chunks).
 struct slot_rule {
   const int* cache_seqlens;
   int hkv, max_splits, max_context, q_len, window_left, chunk_tokens;
 
-  // A context length as the kernels see it: clamped to what the block table can address.
-  __device__ __forceinline__ int clamped(int length) const { return min(max(length, 0), max_context); }
-  // Sequence b's visible keys [lo, length): its clamped context, less what the window hides.
+  __device__ __forceinline__ int clamped(int length) const { return clamped_length(length, max_context); }
   __device__ __forceinline__ int2 visible(int b) const {
-    const int length = clamped(cache_seqlens[b]);
-    return {window_left >= 0 ? max(length - q_len - window_left, 0) : 0, length};
+    return visible_keys(cache_seqlens, b, max_context, q_len, window_left);
   }
   // Whether item [start, end) of sequence b is the sequence's only one: then it finalizes into out / lse itself
   // and the merge passes its segment by.
@@ -49,6 +55,49 @@ struct slot_rule {
 
 __host__ __device__ inline slot_rule slot_rule_of(const tk::attn_decode_problem& p) {
   return {p.cache_seqlens, p.hkv, p.max_splits, p.max_context, p.q_len, p.window_left, p.chunk_tokens};
+}
+
+// Balanced mode (tk_backend/decode_balanced.py): segment (b, h) costs overhead + its visible keys, the segments
+// (b-major) are laid end to end into a stream of T units, and CTA c owns units [c T / C, (c + 1) T / C). A share
+// boundary inside a segment's keys becomes the key cut down to a multiple of `align` (at least the segment's
+// first key), so a piece that continues a segment starts on a whole KV tile. seq_at[b] (written by
+// build_balanced) is the stream offset of sequence b's first segment; seq_at[batch] = T.
+struct balanced_rule {
+  const int* cache_seqlens;
+  const long long* seq_at;
+  int batch, hkv, max_context, q_len, window_left, overhead, align, ctas;
+
+  __device__ __forceinline__ int2 visible(int b) const {
+    return visible_keys(cache_seqlens, b, max_context, q_len, window_left);
+  }
+  __device__ __forceinline__ long long cost(int2 v) const { return v.y > v.x ? overhead + (v.y - v.x) : 0; }
+  __device__ __forceinline__ long long begin(int c, long long total) const { return (long long)c * total / ctas; }
+  // The CTA whose share holds unit u (the last c with begin(c) <= u).
+  __device__ __forceinline__ int cta_of(long long u, long long total) const {
+    return int(((u + 1) * ctas + total - 1) / total) - 1;
+  }
+  // The key at which unit u (of the segment whose units start at `at`) starts a share.
+  __device__ __forceinline__ int cut(long long u, long long at, int2 v) const {
+    const long long key = v.x + max(u - at - overhead, 0LL);
+    return int(min(max(key / align * align, (long long)v.x), (long long)v.y));
+  }
+  // CTA c's piece of segment (b, h): keys [x, y) (none when y <= x) and its partial slot z: -1 when the piece is
+  // the whole segment (it writes out / lse), 2c when it continues a segment begun before this CTA, else 2c + 1.
+  __device__ __forceinline__ int4 piece(int c, int b, int h, long long total) const {
+    const int2 v = visible(b);
+    const long long units = cost(v), at = seq_at[b] + h * units;
+    const long long lo = begin(c, total), hi = begin(c + 1, total);
+    if (units == 0 || at >= hi || at + units <= lo) return {0, 0, -1, 0};
+    const int start = at < lo ? cut(lo, at, v) : v.x, stop = at + units > hi ? cut(hi, at, v) : v.y;
+    const bool continues = start > v.x, goes_on = stop < v.y;
+    return {start, stop, !continues && !goes_on ? -1 : continues ? 2 * c : 2 * c + 1, 0};
+  }
+};
+
+template <int ALIGN>
+__host__ __device__ inline balanced_rule balanced_rule_of(const tk::attn_decode_problem& p) {
+  return {p.cache_seqlens, reinterpret_cast<const long long*>(p.work_items), p.batch, p.hkv, p.max_context, p.q_len,
+          p.window_left, p.item_overhead, ALIGN, p.num_ctas};
 }
 
 template <typename T, int D>
@@ -80,6 +129,10 @@ struct attn_decode_split {
     // merge kernel is not launched. Otherwise an item that is its sequence's only one this step (the step's
     // chunk covers the sequence: slot_rule::whole) does the same, and the merge skips its segment.
     bool single;
+    // balanced: CTA c runs its pieces of segments [cta_start[c], cta_start[c + 1]] (balanced_rule); whole pieces
+    // write out / lse, the others their slot of partial_out / partial_lse.
+    bool balanced;
+    balanced_rule bal;
     T* out;
     long out_strides[3];
     float* lse;  // [batch, hq, q_len]
@@ -99,6 +152,7 @@ struct attn_decode_split {
 
   __device__ static int2 task_range(const globals& g, int cta, int) {
     if (g.direct) return {cta, cta + 1};
+    if (g.balanced) return {g.cta_start[cta], min(g.cta_start[cta + 1] + 1, g.bal.batch * g.bal.hkv)};
     return {g.cta_start[cta], g.cta_start[cta + 1]};
   }
   __device__ static int task_count(const globals&) { return 0; }  // unused: task_range decides
@@ -106,10 +160,17 @@ struct attn_decode_split {
   // segment's used slots come first, and a step's chunk can leave most of them empty (short contexts under a
   // max_model_len-wide table, or any coarsened step), each of which would otherwise cost a dependent load.
   __device__ static int next_task(const globals& g, const task_t& t, int id) {
-    if (g.direct || (t.end > t.start && t.end < g.slots.clamped(t.len))) return id + 1;
+    if (g.direct || g.balanced || (t.end > t.start && t.end < g.slots.clamped(t.len))) return id + 1;
     return (id / g.slots.max_splits + 1) * g.slots.max_splits;
   }
   __device__ static task_t task(const globals& g, int id, int) {
+    if (g.balanced) {  // the piece of segment `id` in this CTA's share; item = its slot (-1: whole)
+      const int b = id / g.bal.hkv, h = id % g.bal.hkv;
+      const int4 pc = g.bal.piece(blockIdx.x, b, h, g.bal.seq_at[g.bal.batch]);
+      task_t t{pc.z, b, h, pc.x, pc.y, pc.x & ~(PIECE - 1), g.cache_seqlens[b], 0};
+      t.iters = pc.y > pc.x ? ceil_div(pc.y - t.base, KV) : 0;
+      return t;
+    }
     const int4 w = g.direct ? g.slots(id) : reinterpret_cast<const int4*>(g.work_items)[id];
     task_t t{id, w.x, w.y, w.z, w.w, w.z & ~(PIECE - 1), g.cache_seqlens[w.x], 0};
     t.iters = w.w > w.z ? ceil_div(w.w - t.base, KV) : 0;  // empty slots carry no work
@@ -350,6 +411,123 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
   }
 }
 
+// Balanced mode's schedule (one block): seq_at = the exclusive scan of hkv * cost_b over the batch (into the
+// work_items buffer), seq_at[batch] = T, and cta_start[c] = the segment holding unit begin(c) (batch * hkv
+// for every c when T = 0), cta_start[ctas] = the end of the last non-empty sequence's segments (so the last CTA
+// does not walk the zero-length requests a CUDA graph pads the batch with). Sequence b's segments hold the units
+// [seq_at[b], seq_at[b + 1]); the CTAs whose share begins there are ceil(x C / T) .. ceil(y C / T) - 1.
+constexpr int BALANCED_CTAS_PER_THREAD = tk::DECODE_BALANCED_MAX_CTAS / SCHEDULE_THREADS;
+static_assert(BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS == tk::DECODE_BALANCED_MAX_CTAS);
+
+template <int ALIGN>
+__global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_decode_problem p) {
+  using scan_t = cub::BlockScan<long long, SCHEDULE_THREADS>;
+  using owner_scan_t = cub::BlockScan<int, SCHEDULE_THREADS>;
+  __shared__ typename scan_t::TempStorage storage;
+  __shared__ typename owner_scan_t::TempStorage owner_storage;
+  __shared__ int owner[BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS];  // per CTA: the sequence starting there, or -1
+  __shared__ long long carry;
+  const balanced_rule r = balanced_rule_of<ALIGN>(p);
+  long long* seq_at = reinterpret_cast<long long*>(p.work_items);
+  const int segs = p.batch * p.hkv, ctas = p.num_ctas;
+  if (threadIdx.x == 0) carry = 0;
+  for (int c = threadIdx.x; c < BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS; c += SCHEDULE_THREADS) owner[c] = -1;
+  __syncthreads();
+  for (int base = 0; base < p.batch; base += SCHEDULE_THREADS) {
+    const int b = base + threadIdx.x;
+    long long before, tile_total;
+    scan_t(storage).ExclusiveSum(b < p.batch ? p.hkv * r.cost(r.visible(b)) : 0, before, tile_total);
+    if (b < p.batch) seq_at[b] = carry + before;
+    __syncthreads();  // everyone has read carry and is done with the scan storage
+    if (threadIdx.x == 0) carry += tile_total;
+    __syncthreads();
+  }
+  const long long total = carry;
+  if (threadIdx.x == 0) seq_at[p.batch] = total;
+  if (total == 0) {
+    for (int c = threadIdx.x; c <= ctas; c += SCHEDULE_THREADS) p.cta_start[c] = segs;
+    return;
+  }
+  // The sequence each CTA's share begins in: sequence b (non-empty) marks owner[first CTA whose share begins in
+  // it]; a max-scan over the CTAs carries each mark to the CTAs after it. (One thread walking a long sequence's
+  // CTAs, a 64-bit division each, took 28 us at batch 1.)
+  for (int b = threadIdx.x; b < p.batch; b += SCHEDULE_THREADS) {  // the thread that wrote seq_at[b]
+    const long long units = r.cost(r.visible(b)), x = seq_at[b], y = x + p.hkv * units;
+    if (units == 0) continue;
+    if (y == total) p.cta_start[ctas] = (b + 1) * p.hkv;  // the last non-empty sequence
+    const long long c0 = (x * ctas + total - 1) / total, c1 = min((y * ctas + total - 1) / total, (long long)ctas);
+    if (c0 < c1) owner[c0] = b;
+  }
+  __syncthreads();
+  int mark[BALANCED_CTAS_PER_THREAD];
+#pragma unroll
+  for (int k = 0; k < BALANCED_CTAS_PER_THREAD; k++) mark[k] = owner[threadIdx.x * BALANCED_CTAS_PER_THREAD + k];
+  owner_scan_t(owner_storage).InclusiveScan(mark, mark, [](int a, int b) { return max(a, b); });
+#pragma unroll
+  for (int k = 0; k < BALANCED_CTAS_PER_THREAD; k++) {
+    const int c = threadIdx.x * BALANCED_CTAS_PER_THREAD + k, b = mark[k];
+    if (c >= ctas) break;
+    const long long units = r.cost(r.visible(b));  // b >= 0: the first non-empty sequence owns CTA 0
+    p.cta_start[c] = b * p.hkv + int(min((r.begin(c, total) - seq_at[b]) / units, (long long)p.hkv - 1));
+  }
+}
+
+// Balanced mode's merge: one block per (segment, row), a thread per column. The segment's pieces lie in the
+// CTAs [cta_of(at), cta_of(at + units - 1)]; warp 0 stages each one's slot and weight in shared memory (slot -1:
+// no piece there), and a segment whose one piece was whole is left alone (the decode kernel wrote it).
+template <typename T, int ALIGN>
+__global__ void merge_balanced(tk::attn_decode_problem p, int group) {
+  extern __shared__ int staged[];  // [2 * (ctas + 1)]: slots, then weights (as float bits)
+  __shared__ float row_max, row_sum;
+  __shared__ int count, whole;
+  const balanced_rule r = balanced_rule_of<ALIGN>(p);
+  const int rows = p.q_len * group, seg = blockIdx.x / rows, row = blockIdx.x % rows;
+  const int b = seg / p.hkv, h = seg % p.hkv, span = p.num_ctas + 1;
+  float* weight = reinterpret_cast<float*>(staged + span);
+  if (threadIdx.x < 32) {
+    const long long total = r.seq_at[p.batch], units = r.cost(r.visible(b));
+    int c0 = 0, n = 0;
+    if (units > 0) {
+      const long long at = r.seq_at[b] + h * units;
+      c0 = r.cta_of(at, total), n = r.cta_of(at + units - 1, total) - c0 + 1;
+    }
+    float m = -INFINITY;
+    bool is_whole = false;
+    for (int k = threadIdx.x; k < n; k += 32) {
+      const int4 pc = r.piece(c0 + k, b, h, total);
+      const bool live = pc.y > pc.x;
+      is_whole |= live && pc.z < 0;
+      staged[k] = live && pc.z >= 0 ? pc.z : -1;
+      weight[k] = staged[k] >= 0 ? p.partial_lse[long(staged[k]) * rows + row] : -INFINITY;
+      m = fmaxf(m, weight[k]);
+    }
+    for (int o = 16; o; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+    is_whole = __any_sync(~0u, is_whole);
+    __syncwarp();
+    float sum = 0.f;
+    for (int k = threadIdx.x; k < n; k += 32) {
+      const float x = weight[k] == -INFINITY ? 0.f : __expf(weight[k] - m);
+      weight[k] = x;
+      sum += x;
+    }
+    for (int o = 16; o; o /= 2) sum += __shfl_xor_sync(~0u, sum, o);
+    if (threadIdx.x == 0) row_max = m, row_sum = sum, count = n, whole = is_whole;
+  }
+  __syncthreads();
+  if (whole) return;  // written by the decode kernel
+  const int tok = row / group, head = h * group + row % group;
+  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
+  for (int col = threadIdx.x; col < p.head_dim; col += blockDim.x) {
+    float acc = 0.f;
+    for (int k = 0; k < count; k++)
+      if (weight[k] > 0.f) acc += weight[k] * p.partial_out[(long(staged[k]) * rows + row) * p.head_dim + col];
+    static_cast<T*>(p.out)[b * p.out_strides[0] + tok * p.out_strides[1] + head * p.out_strides[2] + col] =
+        kittens::convert<T>(acc * inv);
+  }
+  if (threadIdx.x == 0)
+    p.lse[(long(b) * p.hq + head) * p.q_len + tok] = row_sum > 0.f ? row_max + __logf(row_sum) : -INFINITY;
+}
+
 // merge_partials' weights in shared memory: whole float4s, because ptxas reads the unrolled sum's tail as one
 // 16-byte load (compute-sanitizer flagged the over-read). The padding holds -inf: never a weight.
 constexpr int merge_weights(int max_splits) { return (max_splits + 3) / 4 * 4; }
@@ -428,12 +606,22 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.scale_log2 = p.softmax_scale * tk::attn::LOG2E;
   g.softcap = p.softcap;
   g.slots = slot_rule_of(p);
-  g.direct = p.max_items <= p.num_ctas;  // one slot per CTA: nothing to balance
-  g.single = p.max_splits == 1;
+  g.balanced = p.balanced;
+  g.bal = balanced_rule_of<K::KV>(p);
+  g.direct = !p.balanced && p.max_items <= p.num_ctas;  // one slot per CTA: nothing to balance
+  g.single = !p.balanced && p.max_splits == 1;
   g.out = static_cast<T*>(p.out);
   for (int i = 0; i < 3; i++) g.out_strides[i] = p.out_strides[i];
   g.lse = p.lse;
   g.hq = p.hq;
+  if (g.balanced) {
+    build_balanced<K::KV><<<1, SCHEDULE_THREADS, 0, stream>>>(p);
+    TK_LAUNCH_CHECK();
+    lcsf::launch<K>(g, p.num_ctas, stream);
+    merge_balanced<T, K::KV><<<p.batch * p.hkv * rows, D, 2 * (p.num_ctas + 1) * sizeof(int), stream>>>(p, group);
+    TK_LAUNCH_CHECK();
+    return;
+  }
   if (!g.direct) {
     build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
     TK_LAUNCH_CHECK();

@@ -96,7 +96,7 @@ def test_decode_graph_replay(seed):
 
 # ---- the split-KV decode kernel (csrc/kernels/decode.cu), reached directly until it backs the public op ----
 
-from tk_backend import attention as _attention, decode_plan  # noqa: E402
+from tk_backend import attention as _attention, decode_balanced, decode_plan  # noqa: E402
 
 
 @pytest.mark.parametrize("q_len,group", [(1, 4), (1, 8), (4, 8), (16, 4)])
@@ -146,18 +146,52 @@ def test_schedule_kernel_matches_build_work_list(window, seed):
     num_sms, name = _attention._device_info(q.device)
     plan = decode_plan.make_plan(batch, table.shape[1] * block_size, 1, hkv * group, hkv, d, block_size, num_sms,
                                  window[0], 0, name)
+    # Direct mode (a CTA per slot, no schedule kernel): the attention kernel writes the slots for the merge,
+    # and the CTA ranges are not used. With one split a segment as well there is no merge, and so no slots.
+    direct = plan.max_items <= plan.num_ctas
+    if _attention.balanced_mode(plan):  # the stream offsets and each CTA's first segment (decode_balanced.schedule)
+        used = _attention._workspace(plan, q.device, decode_balanced.workspace_items(batch, plan.num_ctas))
+        seq_at, first = decode_balanced.schedule(contexts, hkv, plan.num_ctas, plan.item_overhead_tokens,
+                                                 table.shape[1] * block_size, 1, window[0])
+        torch.cuda.synchronize()
+        assert used.work_items.view(-1).view(torch.int64)[: batch + 1].tolist() == seq_at, f"contexts={contexts}"
+        assert used.cta_start.tolist() == first, f"contexts={contexts} seed={seed}"
+        return
     used = _attention._workspace(plan, q.device)
     expected = decode_plan.DecodeWorkspace.allocate(plan, q.device)
     decode_plan.build_work_list(plan, seqlens, expected)
     torch.cuda.synchronize()
-    # Direct mode (a CTA per slot, no schedule kernel): the attention kernel writes the slots for the merge,
-    # and the CTA ranges are not used. With one split a segment as well there is no merge, and so no slots.
-    direct = plan.max_items <= plan.num_ctas
     if direct and plan.max_splits == 1:
         return
     assert torch.equal(used.work_items, expected.work_items), f"contexts={contexts} seed={seed} direct={direct}"
     if not direct:
         assert torch.equal(used.cta_start, expected.cta_start), f"contexts={contexts} seed={seed}"
+
+
+def test_forced_splits_keep_the_static_schedule(seed):
+    """A forced num_splits with more slots than CTAs runs the static schedule kernel (not balanced mode): its work
+    list equals decode_plan.build_work_list, and the output the reference."""
+    rng = random.Random(seed)
+    batch, hkv, group, d, block_size, splits = 40, 2, 4, 128, 16, 2
+    contexts = [rng.choice([0, 1, rng.randint(2, 900), rng.randint(900, 6000)]) for _ in range(batch)]
+    k_cache, v_cache, table = _cache(rng, batch, [max(c, 1) for c in contexts], block_size, hkv, d)
+    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0, splits, out)
+    num_sms, name = _attention._device_info(q.device)
+    plan = decode_plan.make_plan(batch, table.shape[1] * block_size, 1, hkv * group, hkv, d, block_size, num_sms,
+                                 -1, splits, name)
+    assert plan.max_items > plan.num_ctas, plan  # the scheduled (not direct) static path
+    used = _attention._workspace(plan, q.device)
+    expected = decode_plan.DecodeWorkspace.allocate(plan, q.device)
+    decode_plan.build_work_list(plan, seqlens, expected)
+    torch.cuda.synchronize()
+    assert torch.equal(used.work_items, expected.work_items), f"contexts={contexts} seed={seed}"
+    assert torch.equal(used.cta_start, expected.cta_start), f"contexts={contexts} seed={seed}"
+    ref, _ = reference.decode(q, k_cache, v_cache, seqlens, table)
+    live = seqlens > 0
+    assert_close(out[live], ref[live], rel=2e-2, atol=2e-2, what=f"forced splits contexts={contexts} seed={seed}")
 
 
 @pytest.mark.parametrize("batch,contexts", [(3, [700, 1, 0]), (64, None)])
@@ -202,6 +236,33 @@ def test_wide_table_short_contexts_and_padding(seed):
     assert_close(out[live], ref[live], rel=2e-2, atol=2e-2, what=f"wide table seed={seed}")
     assert_close(lse[live], ref_lse[live], rel=1e-3, atol=1e-3, what=f"wide table lse seed={seed}")
     assert (out[~live] == 0).all() and (lse[~live] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("contexts,width", [
+    ([1152 - 128 + (i * 97) % 257 for i in range(60)] + [0] * 4, 131072),  # ragged, padded like a CUDA graph
+    ([1024] * 8, 131072),  # short contexts under a max_model_len-wide table
+    ([70000, 3, 0, 900], 131072),
+])
+def test_balanced_mode_on_ragged_batches_and_wide_tables(contexts, width, seed):
+    """Balanced mode's pieces (shares of the step's keys; decode_balanced) against the reference, on the shapes it
+    is for: ragged contexts with zero-length padding, and short contexts under a wide block table."""
+    rng = random.Random(seed)
+    batch, hkv, group, d, block_size = len(contexts), 4, 4, 128, 16
+    k_cache, v_cache, table = _cache(rng, batch, [max(c, 1) for c in contexts], block_size, hkv, d)
+    table = torch.cat([table, table[:, :1].expand(batch, width // block_size - table.shape[1])], 1).contiguous()
+    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    _, lse = _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0, 0, out)
+    ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
+    num_sms, name = _attention._device_info(q.device)
+    plan = decode_plan.make_plan(batch, width, 1, hkv * group, hkv, d, block_size, num_sms, -1, 0, name)
+    assert _attention.balanced_mode(plan), plan
+    what = f"balanced contexts={contexts} width={width} seed={seed}"
+    live = seqlens > 0
+    assert_close(out[live], ref_out[live], rel=2e-2, atol=2e-2, what=what)
+    assert_close(lse[live], ref_lse[live], rel=1e-3, atol=1e-3, what=what + " lse")
+    assert (out[~live] == 0).all() and (lse[~live] == float("-inf")).all(), what  # no keys: 0 and -inf
 
 
 def test_column_slice_of_a_wide_table(seed):
