@@ -5,6 +5,8 @@
     python3 scripts/ncu_pair.py gemm [M N K]                   # tk's GEMM vs cuBLAS (torch.matmul), bf16
     python3 scripts/ncu_pair.py ssd                            # tk's Mamba-2 scan: the bench's paper case
                                                                # (n4096, dstate 64) vs its serving case (dstate 128)
+    python3 scripts/ncu_pair.py decode [B CTX HQ HKV D PAGE]   # tk's split-KV decode kernel vs FA3's (page_table),
+                                                               # shuffled pages (default 8 8192 32 8 128 16)
 
 Each side runs under `ncu --csv --page details` on its own process (skipping warm-up launches) and the table
 lists every metric both report, so what limits tk (tensor pipe, issue stalls, memory, occupancy) reads off
@@ -84,6 +86,27 @@ for _ in range(4):
 torch.cuda.synchronize()
 """
 
+DECODE = """
+import sys
+import torch
+sys.path.insert(0, {repo!r})
+import tk_backend
+b, ctx, hq, hkv, d, page = {shape!r}
+blocks = b * ctx // page
+k_cache, v_cache = (torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // page)
+seqlens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+if {side!r} == "tk":
+    call = lambda: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table)
+else:
+    import flash_attn_interface as fa3
+    call = lambda: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True)
+for _ in range(4):
+    call()
+torch.cuda.synchronize()
+"""
+
 
 def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> dict[str, str]:
     ncu = ["ncu", "--csv", "--page", "details", "--kernel-name-base", "demangled", "-k", f"regex:{kernel_regex}",
@@ -104,7 +127,7 @@ def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["prefill", "based_step", "ssd", "gemm"])
+    parser.add_argument("what", choices=["prefill", "based_step", "ssd", "gemm", "decode"])
     parser.add_argument("shape", nargs="*", type=int, default=[16, 16, 4096, 128])
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
@@ -118,6 +141,10 @@ def main() -> int:
         shape = tuple(args.shape[:3]) if len(args.shape) == 3 else (4096, 4096, 4096)
         sides = {s: ([sys.executable, "-c", GEMM.format(repo=str(REPO), side=s, shape=shape)], regex)
                  for s, regex in (("tk", "gemm_kernel"), ("cublas", "nvjet|xmma|gemm|cutlass"))}
+    elif args.what == "decode":
+        shape = tuple(args.shape) if len(args.shape) == 6 else (8, 8192, 32, 8, 128, 16)
+        sides = {s: ([sys.executable, "-c", DECODE.format(repo=str(REPO), side=s, shape=shape)], regex)
+                 for s, regex in (("tk", "attn_decode_split"), ("fa3", "FlashAttnFwd"))}
     elif args.what == "ssd":
         sides = {s: ([sys.executable, "-c", SSD.format(repo=str(REPO), side=s)], "ssd_scan_kernel")
                  for s in ("paper", "serving")}
