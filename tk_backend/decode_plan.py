@@ -320,10 +320,15 @@ def step_chunk(plan: DecodePlan, cache_seqlens: torch.Tensor) -> torch.Tensor:
     return plan.chunk_tokens * 2**best  # arithmetic, not chunks[best]: no data-dependent indexing to trace
 
 
+def visible(length: int, max_context: int, q_len: int, window_left: int) -> tuple[int, int]:
+    """(lo, L) of one sequence with `length` cached keys: _visible_keys for a Python int (the keys [lo, L) some
+    query sees: the context clamped to the table, less what the window hides)."""
+    length = min(max(length, 0), max_context)
+    return (max(length - q_len - window_left, 0) if window_left >= 0 else 0), length
+
+
 def _visible(plan: DecodePlan, length: int) -> tuple[int, int]:
-    """(lo, length) of one sequence: _visible_keys for a Python int."""
-    length = min(max(length, 0), plan.max_context)
-    return (max(length - plan.q_len - plan.window_left, 0) if plan.window_left >= 0 else 0), length
+    return visible(length, plan.max_context, plan.q_len, plan.window_left)
 
 
 def segment(plan: DecodePlan, length: int, chunk: int | None = None) -> tuple[int, int, int, int]:
