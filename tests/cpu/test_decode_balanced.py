@@ -20,9 +20,10 @@ CASES = [  # lengths, hkv, ctas, max_context, q_len, window_left
 ]
 
 
+@pytest.mark.parametrize("align", [64, 128])  # the kernel's K/V tile at D=128 (decode_plan.kv_tile) / D=64
 @pytest.mark.parametrize("lengths,hkv,ctas,max_context,q_len,window", CASES)
-def test_pieces_tile_every_segment_once_in_unique_slots(lengths, hkv, ctas, max_context, q_len, window):
-    align, overhead = 128, 69
+def test_pieces_tile_every_segment_once_in_unique_slots(lengths, hkv, ctas, max_context, q_len, window, align):
+    overhead = 69
     pieces = decode_balanced.pieces(lengths, hkv, ctas, overhead, max_context, q_len, window, align)
     by_segment = defaultdict(list)
     for p in pieces:
