@@ -3,11 +3,10 @@
 // A task is (sequence, query head, 128- or 192-row query block); tasks run longest-first on a persistent
 // grid. The producer warpgroup streams K and V tiles through a TMA ring (and at D=64 each task's queries, see
 // q_ahead): one box per tile for packed K/V, one box per 16-row page piece for paged caches (16 divides every
-// supported block size). Each consumer
-// warpgroup owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
-// (masks only on tiles that need them), then O += P V with P straight from registers. The consumers (two,
-// or three: three_consumers) take turns on the tensor cores, and each overlaps its softmax with its
-// previous P V (except three at D=128: `serial`).
+// supported block size). Each consumer warpgroup owns 64 query rows: S = Q K^T on tensor cores, an online
+// softmax in exp2 with the scale folded in (masks only on tiles that need them), then O += P V with P straight
+// from registers. The consumers (two, or three: three_consumers) take turns on the tensor cores, and each
+// overlaps its softmax with its previous P V (except three at D=128: `serial`).
 #include <algorithm>
 #include "../kittens/kittens.cuh"
 #include "attention.h"
