@@ -39,8 +39,8 @@ lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> 
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
-    "int chunk_tokens, int item_overhead, int coarsen_levels, bool balanced, float softmax_scale, bool causal, "
-    "int window_left, int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
+    "int chunk_tokens, int item_overhead, int coarsen_levels, bool balanced, int kv_tile, float softmax_scale, "
+    "bool causal, int window_left, int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
 )
 
 
@@ -458,7 +458,8 @@ def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal
     torch.ops.tk.attn_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
         workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens,
-        plan.coarsen_levels, balanced, scale, causal, window[0], window[1], softcap, out, lse,
+        plan.coarsen_levels, balanced, decode_plan.kv_tile(plan, balanced), scale, causal, window[0], window[1],
+        softcap, out, lse,
     )
     return out, lse
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tk_backend.decode_plan import visible  # (lo, L) of one sequence, as the static plan sees it
+
 MAX_CTAS = 1024  # the schedule kernel's limit (csrc/kernels/attention.h DECODE_BALANCED_MAX_CTAS)
 
 
@@ -45,13 +47,6 @@ def workspace_items(batch: int, ctas: int) -> int:
     """Rows of the workspace balanced mode needs: two partial slots a CTA, and work_items (4 int32 a row) holding
     the int64 stream offsets of the batch's sequences and the total."""
     return max(2 * ctas, (batch + 2) // 2)
-
-
-def visible(length: int, max_context: int, q_len: int, window_left: int) -> tuple[int, int]:
-    """(lo, L): the keys some query of the sequence sees (decode_plan._visible_keys for one sequence)."""
-    length = min(max(length, 0), max_context)
-    lo = max(length - q_len - window_left, 0) if window_left >= 0 else 0
-    return lo, length
 
 
 def schedule(lengths: list[int], hkv: int, ctas: int, overhead: int, max_context: int, q_len: int = 1,
@@ -84,20 +79,20 @@ def schedule(lengths: list[int], hkv: int, ctas: int, overhead: int, max_context
 def pieces(lengths: list[int], hkv: int, ctas: int, overhead: int, max_context: int, q_len: int = 1,
            window_left: int = -1, align: int = 128) -> list[Piece]:
     """Every CTA's pieces, in CTA order then stream order."""
-    segs = []  # (b, h, lo, L, stream offset of the segment's first unit)
+    segs = []  # (b, h, lo, L, the stream units [at, after) of the segment)
     total = 0
     for b, n in enumerate(lengths):
         lo, hi = visible(n, max_context, q_len, window_left)
         for h in range(hkv):
             if hi > lo:
-                segs.append((b, h, lo, hi, total))
-                total += overhead + hi - lo
+                segs.append((b, h, lo, hi, total, total + overhead + hi - lo))
+                total = segs[-1][5]
     if total == 0:
         return []
 
     def cut(unit: int, seg) -> int:
         """The key of segment `seg` where stream unit `unit` (inside the segment's units) starts a share."""
-        _, _, lo, hi, at = seg
+        _, _, lo, hi, at, _ = seg
         key = lo + max(unit - at - overhead, 0)  # units in the overhead belong with the first key
         return min(max(key // align * align, lo), hi)
 
@@ -105,13 +100,13 @@ def pieces(lengths: list[int], hkv: int, ctas: int, overhead: int, max_context: 
     first_seg = 0
     for c in range(ctas):
         begin, end = c * total // ctas, (c + 1) * total // ctas
-        while first_seg < len(segs) and segs[first_seg][4] + overhead + segs[first_seg][3] - segs[first_seg][2] <= begin:
+        while first_seg < len(segs) and segs[first_seg][5] <= begin:
             first_seg += 1
         s = first_seg
         while s < len(segs) and segs[s][4] < end:
-            b, h, lo, hi, at = segs[s]
+            b, h, lo, hi, at, after = segs[s]
             start = cut(begin, segs[s]) if at < begin else lo
-            stop = cut(end, segs[s]) if at + overhead + hi - lo > end else hi
+            stop = cut(end, segs[s]) if after > end else hi
             if stop > start:
                 continues, goes_on = start > lo, stop < hi
                 slot = -1 if not (continues or goes_on) else 2 * c if continues else 2 * c + 1

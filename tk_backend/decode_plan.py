@@ -298,6 +298,41 @@ def build_work_list(plan: DecodePlan, cache_seqlens: torch.Tensor, workspace: De
     workspace.cta_start[ctas:].copy_(torch.where(cost > 0, slots, 0).max())
 
 
+def full_length_step_chunk(plan: DecodePlan) -> int:
+    """step_chunk for a batch whose sequences all hold max_context tokens, in plain Python (the plan's shape, as
+    the host sees it: no tensors, nothing for a tracer or a graph capture to see)."""
+    lo, length = visible(plan.max_context, plan.max_context, plan.q_len, plan.window_left)
+    overhead, best, chosen = plan.item_overhead_tokens, None, plan.chunk_tokens
+    for j in range(plan.coarsen_levels + 1):
+        chunk = plan.chunk_tokens << j
+        count = _ceil_div(length, chunk) - lo // chunk
+        cost = (length - lo + count * overhead) * plan.batch * plan.num_kv_heads if count > 0 else 0
+        per_item = chunk + overhead
+        time = _ceil_div(cost, plan.num_ctas * per_item) * per_item
+        if best is None or time <= best:  # the largest j on ties
+            best, chosen = time, chunk
+    return chosen
+
+
+# Keys a K/V tile in the D=128 decode kernel (decode.cu, attn_decode_split's Tile). 64-key tiles (6 stages) stream
+# short work faster, 128-key tiles (3 stages) long work: same-call A/B on the H200 (session 14), 64 over 128:
+# balanced mode 0.90-0.96 (1k contexts under a 128k table, one 131k sequence); a full-length step chunk of
+# 1024-4096 keys 0.95-0.99 (b8 8k, b64 / b256 1k, b1 32k, the serve layout); 512-key chunks (b1 8k, b8 1k)
+# 1.01-1.02 and 8k+ (b64 8k, b256 8k / 32k, b8 32k) 1.01-1.05.
+KV64_STEP_CHUNKS = (1024, 4096)
+
+
+@functools.lru_cache(maxsize=256)
+def kv_tile(plan: DecodePlan, balanced: bool) -> int:
+    """The decode kernel's K/V tile for `plan` (64 or 128 keys; see KV64_STEP_CHUNKS)."""
+    if plan.head_dim != 128:
+        return 128
+    if balanced:
+        return 64
+    lo, hi = KV64_STEP_CHUNKS
+    return 64 if lo <= full_length_step_chunk(plan) <= hi else 128
+
+
 def _visible_keys(plan: DecodePlan, cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(length, lo) per sequence, int64: the clamped context length and the first key any query sees."""
     length = cache_seqlens.to(torch.int64).clamp(0, plan.max_context)  # [B]
@@ -320,10 +355,15 @@ def step_chunk(plan: DecodePlan, cache_seqlens: torch.Tensor) -> torch.Tensor:
     return plan.chunk_tokens * 2**best  # arithmetic, not chunks[best]: no data-dependent indexing to trace
 
 
+def visible(length: int, max_context: int, q_len: int, window_left: int) -> tuple[int, int]:
+    """(lo, L) of one sequence with `length` cached keys: _visible_keys for a Python int (the keys [lo, L) some
+    query sees: the context clamped to the table, less what the window hides)."""
+    length = min(max(length, 0), max_context)
+    return (max(length - q_len - window_left, 0) if window_left >= 0 else 0), length
+
+
 def _visible(plan: DecodePlan, length: int) -> tuple[int, int]:
-    """(lo, length) of one sequence: _visible_keys for a Python int."""
-    length = min(max(length, 0), plan.max_context)
-    return (max(length - plan.q_len - plan.window_left, 0) if plan.window_left >= 0 else 0), length
+    return visible(length, plan.max_context, plan.q_len, plan.window_left)
 
 
 def segment(plan: DecodePlan, length: int, chunk: int | None = None) -> tuple[int, int, int, int]:

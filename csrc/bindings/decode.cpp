@@ -23,7 +23,7 @@ void float_contiguous(const at::Tensor& t, const at::Tensor& q, const char* name
 void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& cache_seqlens, const at::Tensor& block_table, at::Tensor& work_items,
                  at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
-                 int64_t item_overhead, int64_t coarsen_levels, bool balanced,
+                 int64_t item_overhead, int64_t coarsen_levels, bool balanced, int64_t kv_tile,
                  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
                  at::Tensor& out, at::Tensor& lse) {
   chk::cuda(q, "q");
@@ -77,6 +77,8 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   TORCH_CHECK(item_overhead >= 0, "item_overhead must be >= 0, got ", item_overhead);
   TORCH_CHECK(coarsen_levels >= 0 && coarsen_levels <= tk::DECODE_MAX_COARSEN_LEVELS,
               "coarsen_levels must be in [0, ", tk::DECODE_MAX_COARSEN_LEVELS, "], got ", coarsen_levels);
+  TORCH_CHECK(kv_tile == 128 || (kv_tile == 64 && d == 128),
+              "kv_tile must be 128, or 64 at head dim 128; got ", kv_tile, " at head dim ", d);
   const int64_t max_context = block_table.size(1) * k_cache.size(1);
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -114,6 +116,7 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.item_overhead = int(item_overhead);
   p.coarsen_levels = int(coarsen_levels);
   p.balanced = balanced;
+  p.kv_tile = int(kv_tile);
   p.max_context = int(max_context);
   p.causal = causal;
   p.window_left = int(window_left);

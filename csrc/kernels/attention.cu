@@ -1,8 +1,9 @@
 // Attention prefill on kittens (varlen, causal, sliding window, softcap, GQA, paged K/V).
 //
 // A task is (sequence, query head, 128- or 192-row query block); tasks run longest-first on a persistent
-// grid. The producer warpgroup streams K and V tiles through a TMA ring: one box per tile for packed K/V,
-// one box per 16-row page piece for paged caches (16 divides every supported block size). Each consumer
+// grid. The producer warpgroup streams K and V tiles through a TMA ring (and at D=64 each task's queries, see
+// q_ahead): one box per tile for packed K/V, one box per 16-row page piece for paged caches (16 divides every
+// supported block size). Each consumer
 // warpgroup owns 64 query rows: S = Q K^T on tensor cores, an online softmax in exp2 with the scale folded in
 // (masks only on tiles that need them), then O += P V with P straight from registers. The consumers (two,
 // or three: three_consumers) take turns on the tensor cores, and each overlaps its softmax with its
@@ -81,10 +82,26 @@ struct attn_prefill {
     if constexpr (staggered) return &(&in)[1].kv;  // the ring slot after K_j's
     else return &in.v;
   }
-  struct scratch_block {
+  // Queries ahead (D=64): the producer loads each consumer's queries (load_task_inputs) once the consumer has run
+  // its last S = Q K^T of the task before (q_free), so they arrive under that task's last softmax, P V and
+  // output, and the output is staged in a buffer of its own on the way to its TMA store. Otherwise a consumer
+  // loads its queries as it starts a task and stages the output in their buffer. Same-call A/B on the H200
+  // (session 14), ahead over own: D=64 n=1024 / 4096 full 0.973 / 0.979, causal 0.918 / 0.968, n=16384
+  // 0.996-0.998. At D=128 (three consumers: the second buffers fill shared memory to 224 KB) n=1024 full 0.971
+  // and paged 0.96-0.97, but n=4096 / 16384 full 1.023 / 1.011 and, with claimed tasks (the producer then
+  // spills ~250 bytes), causal 1.016-1.048; D=128 with two consumers and D=256 have no room for the buffers.
+  static constexpr bool q_ahead = D == 64;
+  static_assert(!q_ahead || stages * sizeof(input_block) + 2 * consumers * sizeof(q_tile) <= 224 * 1024);
+  struct scratch_ahead {
+    q_tile q[consumers], o[consumers];
+    semaphore q_ready[consumers], q_free[consumers];
+    unsigned q_free_phases;  // the producer's: bit c, the phase of q_free[c] it waits for next (flipped)
+  };
+  struct scratch_own {
     q_tile q[consumers];  // this task's queries; the output is staged here on the way out
     semaphore q_ready[consumers];
   };
+  using scratch_block = std::conditional_t<q_ahead, scratch_ahead, scratch_own>;
   using s_tile = rt_fl<16, KV>;
   using row_vec = typename s_tile::per_row;
   struct consumer_state {
@@ -107,6 +124,10 @@ struct attn_prefill {
 
   __device__ static void init_scratch(scratch_block& s) {
     for (int c = 0; c < consumers; c++) init_semaphore(s.q_ready[c], 1);
+    if constexpr (q_ahead) {
+      for (int c = 0; c < consumers; c++) init_semaphore(s.q_free[c], 1);
+      s.q_free_phases = 0;
+    }
   }
   // Accumulators start each task empty; finish puts them back (no non-wgmma writes to them mid-pipeline).
   __device__ static void reset_accumulators(consumer_state& s) {
@@ -185,6 +206,31 @@ struct attn_prefill {
         });
   }
 
+  // A consumer reads queries in a task (and frees them after its last S) iff it has rows and the task has keys.
+  __device__ static bool reads_queries(const task_t& t, int wg) { return t.iters > 0 && !idle(t, wg); }
+  __device__ static void load_task_inputs(scratch_block& scratch, const globals& g, const task_t& t)
+    requires q_ahead
+  {
+    unsigned phases = scratch.q_free_phases;
+#pragma unroll
+    for (int c = 0; c < consumers; c++) {
+      if (!reads_queries(t, c)) continue;
+      wait(scratch.q_free[c], ((phases >> c) & 1) ^ 1);  // a fresh semaphore passes at once
+      phases ^= 1u << c;
+      expect_bytes(scratch.q_ready[c], tma::bytes<q_tile>());
+      tma::load_async(scratch.q[c], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + c * QROWS}, scratch.q_ready[c]);
+    }
+    scratch.q_free_phases = phases;
+  }
+  // After the task's last S: the queries' buffer may take the next task's.
+  __device__ static void free_queries(scratch_block& scratch, const task_t& t, int it, int wg) {
+    if constexpr (q_ahead) {
+      if (it != t.iters / SLOTS - 1) return;
+      warpgroup::sync(1 + wg);  // every warp's part of S has read them
+      if (warpgroup::thread() == 0) arrive(scratch.q_free[wg]);
+    }
+  }
+
   // Tile j: S_j = Q K_j^T and the previous tile's O += P_{j-1} V_{j-1} are issued together in this
   // consumer's turn; the softmax of S_j then runs while P_{j-1} V_{j-1} (and the other consumer) compute.
   // (Staggered, lcsf calls this once a K/V tile, `it` = j, with K_j's slot; V_{j-1}'s is held too.)
@@ -201,6 +247,7 @@ struct attn_prefill {
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
+    free_queries(scratch, t, it, wg);
     softmax(s, att, g, t, it, wg);
     warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: p is free
     wgmma::fence_operand(s.p);
@@ -208,11 +255,11 @@ struct attn_prefill {
     s.v_prev = v_of(in);
   }
 
-  // A task's first tile: load the queries, then S_0 alone.
+  // A task's first tile: the queries (loaded here unless q_ahead), then S_0 alone.
   __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                        const task_t& t, int wg) {
-    if (!idle(t, wg)) {
-      if (warpgroup::thread() == 0) {
+    if (reads_queries(t, wg)) {
+      if (!q_ahead && warpgroup::thread() == 0) {
         tma::store_wait_read<0>();  // the previous task's output has left the buffer
         expect_bytes(scratch.q_ready[wg], tma::bytes<q_tile>());
         tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + wg * QROWS}, scratch.q_ready[wg]);
@@ -229,6 +276,7 @@ struct attn_prefill {
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
+    free_queries(scratch, t, 0, wg);
     softmax(s, att, g, t, 0, wg);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
@@ -248,6 +296,7 @@ struct attn_prefill {
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
+    free_queries(scratch, t, it, wg);
     softmax(s, att, g, t, it, wg);
     mul_row(s.o, s.o, s.rescale);
     rt<T, 16, KV> p;
@@ -304,17 +353,20 @@ struct attn_prefill {
       }
     }
     if (r0 + QROWS <= t.lq) {  // a whole tile: through shared memory and one TMA store
-      // A task without keys (no compute_first, which waits) may follow one whose output store still reads
-      // the buffer.
-      if (t.iters == 0) {
+      // The buffer's last store must have read it: with q_ahead, the previous task's output from o; else a task
+      // without keys (no compute_first, which waits) may follow one whose output store still reads q.
+      q_tile* staging;
+      if constexpr (q_ahead) staging = &scratch.o[wg];
+      else staging = &scratch.q[wg];
+      if (q_ahead || t.iters == 0) {
         if (warpgroup::thread() == 0) tma::store_wait_read<0>();
         warpgroup::sync(1 + wg);
       }
-      warpgroup::store(scratch.q[wg].ref(), s.o);
+      warpgroup::store(staging->ref(), s.o);
       fence_async_shared();
       warpgroup::sync(1 + wg);
       if (warpgroup::thread() == 0) {
-        tma::store_async(g.o, scratch.q[wg], {.d = t.h, .row = t.q0 + r0});
+        tma::store_async(g.o, *staging, {.d = t.h, .row = t.q0 + r0});
         tma::store_commit_group();
       }
     } else {  // the sequence ends inside this tile: write its rows only

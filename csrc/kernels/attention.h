@@ -63,6 +63,7 @@ struct attn_decode_problem {
   // chunk_tokens / coarsen_levels unused, work_items holds the stream offsets (int64 [batch + 1]), partial_out /
   // partial_lse two slots a CTA (max_items >= 2 * num_ctas).
   bool balanced;
+  int kv_tile;  // keys a K/V tile at D=128: 64 or 128 (decode_plan.kv_tile); 128 at other head dims
   bool causal;
   int window_left, window_right;
   float softmax_scale, softcap;

@@ -100,11 +100,17 @@ __host__ __device__ inline balanced_rule balanced_rule_of(const tk::attn_decode_
           p.window_left, p.item_overhead, ALIGN, p.num_ctas};
 }
 
-template <typename T, int D>
+// Tile: keys a K/V tile at D=128 (attn_decode_problem::kv_tile, chosen by decode_plan.kv_tile). 64-key tiles in 6
+// stages hold the ring bytes of 128 x 3, but a consumer hands a stage back twice as often and more of the ring
+// is in flight: short items (1-4k keys a CTA) and balanced pieces stream faster (b8 8k contexts, one 4096-key
+// item a CTA: 0.973 of 128-key tiles' time; b64 1k 0.955; 128k tables 0.90-0.94), long ones slower (8k+ keys an
+// item, several items a CTA: 1.02-1.05).
+template <typename T, int D, int Tile = 128>
 struct attn_decode_split {
   static constexpr int consumers = 1, ROWS = 64, PIECE = 16;
-  static constexpr int KV = D == 256 ? 48 : 128;
-  static constexpr int stages = D == 64 ? 6 : D == 128 ? 3 : 3;
+  static_assert(Tile == 128 || (D == 128 && Tile == 64), "64-key tiles at D=128 only");
+  static constexpr int KV = D == 256 ? 48 : D == 128 ? Tile : 128;
+  static constexpr int stages = D == 256 ? 3 : KV == 64 ? 6 : D == 64 ? 6 : 3;
   // Chained to the schedule kernel (or, in direct mode, whatever came before), and the merge to this one: each
   // launch overlaps the previous kernel's tail (the b1 cases are a few microseconds a kernel).
   static constexpr bool chained = true;
@@ -587,9 +593,9 @@ __global__ void merge_partials(tk::attn_decode_problem p, int group) {
     p.lse[(long(b) * p.hq + head) * p.q_len + tok] = row_sum > 0.f ? row_max + __logf(row_sum) : -INFINITY;
 }
 
-template <typename T, int D>
+template <typename T, int D, int Tile = 128>
 void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
-  using K = attn_decode_split<T, D>;
+  using K = attn_decode_split<T, D, Tile>;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   const int group = p.hq / p.hkv, rows = p.q_len * group;
   typename K::globals g{};
@@ -643,7 +649,7 @@ template <typename T>
 void run_dtype(const tk::attn_decode_problem& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return run<T, 64>(p, stream);
-    case 128: return run<T, 128>(p, stream);
+    case 128: return p.kv_tile == 64 ? run<T, 128, 64>(p, stream) : run<T, 128>(p, stream);
     case 256: return run<T, 256>(p, stream);
   }
 }

@@ -332,6 +332,34 @@ def test_steps_of_long_sequences_take_larger_chunks(batch, context, plan_chunk, 
     assert int(decode_plan.step_chunk(plan, torch.zeros(batch, dtype=torch.int32))) == plan_chunk << plan.coarsen_levels
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_full_length_step_chunk_is_step_chunk_at_full_lengths(seed):
+    """The host's plain-Python step chunk (kv_tile's input) agrees with the device rule's tensor form."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        batch, context = rng.choice([1, 2, 8, 33, 64, 256]), rng.choice([16, 1000, 1024, 8192, 32768, 131072])
+        hq, hkv = rng.choice([(32, 8), (64, 8), (16, 4), (8, 8)])
+        q_len, window = rng.choice([1, 4, 16]), rng.choice([-1, 100, 4096])
+        plan = decode_plan.make_plan(batch, context, q_len, hq, hkv, 128, 16, 132, window, 0, "NVIDIA H200")
+        full = torch.full((batch,), context, dtype=torch.int32)
+        assert decode_plan.full_length_step_chunk(plan) == int(decode_plan.step_chunk(plan, full))
+
+
+@pytest.mark.parametrize("batch, context, tile", [
+    (8, 8192, 64),     # one 4096-key item a CTA
+    (64, 1024, 64), (256, 1024, 64), (1, 32768, 64),
+    (1, 8192, 128),    # 512-key chunks
+    (8, 1024, 128),
+    (64, 8192, 128),   # whole 8k sequences, several a CTA
+    (8, 32768, 128),
+])
+def test_kv_tile_follows_the_full_length_step_chunk(batch, context, tile):
+    assert decode_plan.kv_tile(_h200_plan(batch, context), False) == tile
+    assert decode_plan.kv_tile(_h200_plan(batch, context), True) == 64  # balanced pieces
+    other = decode_plan.make_plan(batch, context, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200")
+    assert decode_plan.kv_tile(other, True) == 128  # 64-key tiles exist at head dim 128 only
+
+
 def test_no_coarsening_when_splits_are_forced_or_each_slot_has_a_cta():
     assert _h200_plan(8, 8192, num_splits=8).coarsen_levels == 0  # flash-attn's num_splits means what it says
     direct = _h200_plan(1, 32768)  # 8 kv heads x 16 chunks = 128 slots <= 132 CTAs: no schedule kernel

@@ -27,6 +27,9 @@
 //   static void drain(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer) (after a
 //   task's last compute, while its last stage is still held: for kernels that issue a stage's last product
 //   one step late).
+//   static void load_task_inputs(scratch_block&, const globals&, const task_t&) (the producer's thread, once a task
+//   with stages has sent for its first: inputs a task reads throughout, kept in scratch rather than the ring,
+//   e.g. the attention kernel's queries; the policy hands the buffers back and forth with its own semaphores).
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
 //   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
 //
@@ -173,6 +176,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
           wait(empty[stage], phase ^ 1);  // a fresh ring passes at once
           K::load(smem.ring[stage], g, t, it, full[stage]);
           if (++stage == K::stages) stage = 0, phase ^= 1;
+          if constexpr (requires { K::load_task_inputs(smem.scratch, g, t); })
+            if (it == 0) K::load_task_inputs(smem.scratch, g, t);  // after the first stage's loads
         }
         return t;
       };
