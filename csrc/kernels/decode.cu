@@ -111,6 +111,9 @@ struct attn_decode_split {
   static_assert(Tile == 128 || (D == 128 && Tile == 64), "64-key tiles at D=128 only");
   static constexpr int KV = D == 256 ? 48 : D == 128 ? Tile : 128;
   static constexpr int stages = D == 256 ? 3 : KV == 64 ? 6 : D == 64 ? 6 : 3;
+  // Chained to the schedule kernel (or, in direct mode, whatever came before), and the merge to this one: each
+  // launch overlaps the previous kernel's tail (the b1 cases are a few microseconds a kernel).
+  static constexpr bool chained = true;
   using q_tile = st<T, ROWS, D>;
   using kv_tile = st<T, KV, D>;
   using piece = st<T, PIECE, D>;
@@ -368,6 +371,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
   } storage;
   __shared__ long long carry, total_cost;
   __shared__ int end_of_work;  // one past the last slot with work
+  chain::allow_next();  // the decode CTAs may set up beside this block; they wait for its writes
   const int n = p.max_items, ctas = p.num_ctas;
   slot_rule slot = slot_rule_of(p);
   if (p.coarsen_levels > 0) slot.chunk_tokens = step_chunk(p);
@@ -433,6 +437,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_deco
   __shared__ typename owner_scan_t::TempStorage owner_storage;
   __shared__ int owner[BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS];  // per CTA: the sequence starting there, or -1
   __shared__ long long carry;
+  chain::allow_next();  // the decode CTAs may set up beside this block; they wait for its writes
   const balanced_rule r = balanced_rule_of<ALIGN>(p);
   long long* seq_at = reinterpret_cast<long long*>(p.work_items);
   const int segs = p.batch * p.hkv, ctas = p.num_ctas;
@@ -486,6 +491,7 @@ __global__ void merge_balanced(tk::attn_decode_problem p, int group) {
   extern __shared__ int staged[];  // [2 * (ctas + 1)]: slots, then weights (as float bits)
   __shared__ float row_max, row_sum;
   __shared__ int count, whole;
+  chain::wait();  // launched chained to the decode kernel: its pieces are complete from here on
   const balanced_rule r = balanced_rule_of<ALIGN>(p);
   const int rows = p.q_len * group, seg = blockIdx.x / rows, row = blockIdx.x % rows;
   const int b = seg / p.hkv, h = seg % p.hkv, span = p.num_ctas + 1;
@@ -544,6 +550,7 @@ template <typename T>
 __global__ void merge_partials(tk::attn_decode_problem p, int group) {
   extern __shared__ float weight[];  // [merge_weights(max_splits)]
   __shared__ float row_max, row_sum;
+  chain::wait();  // launched chained to the decode kernel: its items are complete from here on
   const int rows = p.q_len * group, seg = blockIdx.x / rows, r = blockIdx.x % rows;
   const int b = seg / p.hkv, h = seg % p.hkv, first = seg * p.max_splits;
   const int4 lead = reinterpret_cast<const int4*>(p.work_items)[first];
@@ -624,8 +631,8 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
     build_balanced<K::KV><<<1, SCHEDULE_THREADS, 0, stream>>>(p);
     TK_LAUNCH_CHECK();
     lcsf::launch<K>(g, p.num_ctas, stream);
-    merge_balanced<T, K::KV><<<p.batch * p.hkv * rows, D, 2 * (p.num_ctas + 1) * sizeof(int), stream>>>(p, group);
-    TK_LAUNCH_CHECK();
+    chain::launch(merge_balanced<T, K::KV>, p.batch * p.hkv * rows, D, 2 * (p.num_ctas + 1) * sizeof(int), stream, p,
+                  group);
     return;
   }
   if (!g.direct) {
@@ -634,8 +641,8 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   }
   lcsf::launch<K>(g, g.direct ? p.max_items : p.num_ctas, stream);
   if (g.single) return;
-  merge_partials<T><<<p.batch * p.hkv * rows, D, merge_weights(p.max_splits) * sizeof(float), stream>>>(p, group);
-  TK_LAUNCH_CHECK();
+  chain::launch(merge_partials<T>, p.batch * p.hkv * rows, D, merge_weights(p.max_splits) * sizeof(float), stream, p,
+                group);
 }
 
 template <typename T>

@@ -8,6 +8,7 @@
 #include "ops/semaphore.cuh"
 #include "ops/tma.cuh"
 #include "ops/wgmma.cuh"
+#include "pipeline/chain.cuh"
 #include "pipeline/lcsf.cuh"
 #include "pipeline/raster.cuh"
 #include "tiles/gl.cuh"

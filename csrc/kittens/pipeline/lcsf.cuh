@@ -49,6 +49,13 @@
 // to the stride order: a null-counter test in the claim loop made ptxas spill ~100 bytes in the three-
 // consumer prefill kernel; a launcher that claims only for some problems instantiates both.)
 //
+// Chained launch: a policy may set `static constexpr bool chained = true`. The kernel is then launched chained to
+// the stream's previous kernel (chain.cuh): its CTAs set up their semaphores while that kernel finishes (a
+// schedule kernel that wrote their task ranges, say) and wait for it before their first global access. They do not
+// call allow_next: a chained kernel after them (a merge of their partials) is then scheduled as they exit, not
+// earlier, when its blocks would all land on the few SMs this grid leaves free and run there crowded (session 13:
+// b1 ctx8192 decode 1.06-1.15x slower with an early allow_next).
+//
 // Clusters: a policy may set `static constexpr int cluster = 2` (or 4). Its CTAs then walk the work list
 // together (task ids count clusters, and K::task maps (id, rank) to each CTA's own work item), and a stage
 // is reloaded only once every CTA of the cluster has freed it, so loads may multicast into all of them.
@@ -59,6 +66,7 @@
 #include "../ops/semaphore.cuh"
 #include "../ops/cluster.cuh"
 #include "../ops/tma.cuh"
+#include "chain.cuh"
 
 namespace kittens::lcsf {
 
@@ -86,6 +94,10 @@ template <typename K> consteval int release_lag() {
 }
 template <typename K> consteval bool staggered_pairs() {
   if constexpr (requires { K::staggered; }) return K::staggered;
+  else return false;
+}
+template <typename K> consteval bool chained() {
+  if constexpr (requires { K::chained; }) return K::chained;
   else return false;
 }
 template <typename K> consteval bool dynamic_tasks() {
@@ -139,6 +151,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   }
   if constexpr (cluster > 1) cluster_sync();
   else __syncthreads();
+  if constexpr (chained<K>()) chain::wait();  // the task ranges, inputs and outputs are the previous kernel's till then
 
   const int rank = cluster > 1 ? cluster_rank() : 0;
   const int cta = cluster > 1 ? cluster_id_x() : int(blockIdx.x);
@@ -315,13 +328,14 @@ void launch(const typename K::globals& g, int grid, cudaStream_t stream) {
   config.blockDim = dim3(threads<K>);
   config.dynamicSmemBytes = shared_bytes<K>;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1] = chain::attribute();
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = chained<K>() ? 2 : 1;
   TK_CUDA_CHECK(cudaLaunchKernelEx(&config, fn, g));
 }
 
