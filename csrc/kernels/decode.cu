@@ -483,6 +483,35 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_deco
   }
 }
 
+// The LSE merge's two halves, shared by both modes' merge kernels (one block per (segment, row), a thread per
+// column). Warp 0, with weight[0, n) staged and m its lanes' partial maximum: the weights become
+// exp(lse - max) (0 for -inf, i.e. no piece), and every lane returns (max, sum).
+__device__ float2 lse_weights(float* weight, int n, float m) {
+  for (int o = 16; o; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
+  __syncwarp();
+  float sum = 0.f;
+  for (int k = threadIdx.x; k < n; k += 32) {
+    const float x = weight[k] == -INFINITY ? 0.f : __expf(weight[k] - m);
+    weight[k] = x;
+    sum += x;
+  }
+  for (int o = 16; o; o /= 2) sum += __shfl_xor_sync(~0u, sum, o);
+  return {m, sum};
+}
+// The merged row out: column col is column(col) (the weighted sum of the pieces' outputs) over the weights' sum,
+// and the row's LSE (-inf for a row no key reached).
+template <typename T, typename Column>
+__device__ void write_merged_row(const tk::attn_decode_problem& p, int b, int h, int row, int group, float row_max,
+                                 float row_sum, Column column) {
+  const int tok = row / group, head = h * group + row % group;
+  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
+  for (int col = threadIdx.x; col < p.head_dim; col += blockDim.x)
+    static_cast<T*>(p.out)[b * p.out_strides[0] + tok * p.out_strides[1] + head * p.out_strides[2] + col] =
+        kittens::convert<T>(column(col) * inv);
+  if (threadIdx.x == 0)
+    p.lse[(long(b) * p.hq + head) * p.q_len + tok] = row_sum > 0.f ? row_max + __logf(row_sum) : -INFINITY;
+}
+
 // Balanced mode's merge: one block per (segment, row), a thread per column. The segment's pieces lie in the
 // CTAs [cta_of(at), cta_of(at + units - 1)]; warp 0 stages each one's slot and weight in shared memory (slot -1:
 // no piece there), and a segment whose one piece was whole is left alone (the decode kernel wrote it).
@@ -513,31 +542,18 @@ __global__ void merge_balanced(tk::attn_decode_problem p, int group) {
       weight[k] = staged[k] >= 0 ? p.partial_lse[long(staged[k]) * rows + row] : -INFINITY;
       m = fmaxf(m, weight[k]);
     }
-    for (int o = 16; o; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
     is_whole = __any_sync(~0u, is_whole);
-    __syncwarp();
-    float sum = 0.f;
-    for (int k = threadIdx.x; k < n; k += 32) {
-      const float x = weight[k] == -INFINITY ? 0.f : __expf(weight[k] - m);
-      weight[k] = x;
-      sum += x;
-    }
-    for (int o = 16; o; o /= 2) sum += __shfl_xor_sync(~0u, sum, o);
-    if (threadIdx.x == 0) row_max = m, row_sum = sum, count = n, whole = is_whole;
+    const float2 ms = lse_weights(weight, n, m);
+    if (threadIdx.x == 0) row_max = ms.x, row_sum = ms.y, count = n, whole = is_whole;
   }
   __syncthreads();
   if (whole) return;  // written by the decode kernel
-  const int tok = row / group, head = h * group + row % group;
-  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
-  for (int col = threadIdx.x; col < p.head_dim; col += blockDim.x) {
+  write_merged_row<T>(p, b, h, row, group, row_max, row_sum, [&](int col) {
     float acc = 0.f;
     for (int k = 0; k < count; k++)
       if (weight[k] > 0.f) acc += weight[k] * p.partial_out[(long(staged[k]) * rows + row) * p.head_dim + col];
-    static_cast<T*>(p.out)[b * p.out_strides[0] + tok * p.out_strides[1] + head * p.out_strides[2] + col] =
-        kittens::convert<T>(acc * inv);
-  }
-  if (threadIdx.x == 0)
-    p.lse[(long(b) * p.hq + head) * p.q_len + tok] = row_sum > 0.f ? row_max + __logf(row_sum) : -INFINITY;
+    return acc;
+  });
 }
 
 // merge_partials' weights in shared memory: whole float4s, because ptxas reads the unrolled sum's tail as one
@@ -565,32 +581,19 @@ __global__ void merge_partials(tk::attn_decode_problem p, int group) {
   if (threadIdx.x < 32) {
     float m = -INFINITY;
     for (int s = threadIdx.x; s < p.max_splits; s += 32) m = fmaxf(m, weight[s]);
-    for (int o = 16; o; o /= 2) m = fmaxf(m, __shfl_xor_sync(~0u, m, o));
-    __syncwarp();
-    float sum = 0.f;
-    for (int s = threadIdx.x; s < p.max_splits; s += 32) {
-      const float x = weight[s] == -INFINITY ? 0.f : __expf(weight[s] - m);
-      weight[s] = x;
-      sum += x;
-    }
-    for (int o = 16; o; o /= 2) sum += __shfl_xor_sync(~0u, sum, o);
-    if (threadIdx.x == 0) row_max = m, row_sum = sum;
+    const float2 ms = lse_weights(weight, p.max_splits, m);
+    if (threadIdx.x == 0) row_max = ms.x, row_sum = ms.y;
   }
   __syncthreads();
-  const int tok = r / group, head = h * group + r % group;
-  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
-  for (int col = threadIdx.x; col < p.head_dim; col += blockDim.x) {
+  write_merged_row<T>(p, b, h, r, group, row_max, row_sum, [&](int col) {
     float acc = 0.f;
     if (row_sum > 0.f) {
 #pragma unroll 4
       for (int s = 0; s < p.max_splits; s++)
         if (weight[s] > 0.f) acc += weight[s] * p.partial_out[(long(first + s) * rows + r) * p.head_dim + col];
     }
-    static_cast<T*>(p.out)[b * p.out_strides[0] + tok * p.out_strides[1] + head * p.out_strides[2] + col] =
-        kittens::convert<T>(acc * inv);
-  }
-  if (threadIdx.x == 0)
-    p.lse[(long(b) * p.hq + head) * p.q_len + tok] = row_sum > 0.f ? row_max + __logf(row_sum) : -INFINITY;
+    return acc;
+  });
 }
 
 template <typename T, int D, int Tile = 128>
