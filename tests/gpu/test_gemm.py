@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 SHAPES = [
     (128, 256, 64), (256, 512, 128), (1024, 1024, 1024), (1, 8, 8), (7, 24, 40), (129, 257, 65),
     (1000, 1000, 1000), (333, 4104, 520), (4096, 4096, 64), (2048, 6144, 4096), (3, 5, 11), (77, 13, 9),
-    # short K (the consumers' stagger: every k-slice of a tile in the ring), one with consumer 1's rows past M
+    # short K (every k-slice of a tile in the ring at once), one with consumer 1's rows past M
     (64, 1000, 256), (1100, 2100, 192),
 ]
 
