@@ -16,11 +16,6 @@ namespace {
 // shared B slice and multicasts it to both, cutting B's L2 traffic in half (measured slower here so far:
 // 0.65-0.82x of cluster 1; kept for the next tuning round, not dispatched).
 // Lag: stages a consumer keeps its products in flight before freeing a stage (see lcsf::release_lag).
-// Stagger (K of 3 or 4 slices: a task's k-slices all fit in the ring): consumer 1 starts its first tile only once
-// consumer 0 has finished that tile's products, so from then on one warpgroup's products run while the other's
-// epilogue stores (ping-pong) instead of both multiplying at half rate and then both storing (4096^2 x 256:
-// 0.951x the time). With longer K consumer 0 would need stages consumer 1 still holds; at K <= 128 the products
-// are too short to pay for the offset (K=64 1.042x, K=128 1.008x), so the two stay in step there.
 template <typename T, bool BIsNK, int Stages, int Cluster, int Lag = 1>
 struct gemm_kernel {
   static constexpr int BM = 128, BN = 256, BK = 64, consumers = 2, stages = Stages, cluster = Cluster;
@@ -36,16 +31,10 @@ struct gemm_kernel {
     gl<T, 1, 1, RUNTIME, RUNTIME, b_tile, b_part> b;
     gl<T, 1, 1, RUNTIME, RUNTIME, c_block> c;
     int tiles_m, tiles_n, k_iters, group_rows;
-    bool stagger;  // 3 <= k_iters <= Stages (see above)
   };
   struct input_block { a_tile a; b_tile b; };
   struct scratch_block { c_block c[consumers][batch]; };
-  struct consumer_state {
-    rt_fl<16, BN> acc;
-    bool first;  // no tile finished yet (the stagger's one hand-over)
-  };
-  static constexpr int STAGGER = 3;  // named barrier: consumer 0 done with its first tile's products (1, 2: finish)
-  __device__ static void init_state(consumer_state& s, int) { s.first = true; }
+  struct consumer_state { rt_fl<16, BN> acc; };
 
   struct task_t { int m, n, iters, rank; };
 
@@ -74,13 +63,9 @@ struct gemm_kernel {
     }
   }
 
-  __device__ static void compute(consumer_state& s, input_block& in, scratch_block&, const globals& g, const task_t&, int k,
+  __device__ static void compute(consumer_state& s, input_block& in, scratch_block&, const globals&, const task_t&, int k,
                                 int wg) {
     const auto a = in.a.template row_block<64>(wg);
-    if (wg == 1 && k == 0 && s.first) {
-      if (g.stagger) warpgroup::sync_with(STAGGER, consumers * WARPGROUP_THREADS);
-      s.first = false;
-    }
     if constexpr (BIsNK) {
       if (k == 0) warpgroup::mm_ABt(s.acc, a, in.b);
       else warpgroup::mma_ABt(s.acc, a, in.b);
@@ -94,10 +79,6 @@ struct gemm_kernel {
   // writes its 16 rows of them, then one thread sends each block with one TMA store (4 stores a warpgroup and
   // tile, not 16 of 16 rows), while the producer already loads the next tile.
   __device__ static void finish(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t, int wg) {
-    if (wg == 0 && s.first) {
-      if (g.stagger) warpgroup::arrive_at(STAGGER, consumers * WARPGROUP_THREADS);
-      s.first = false;
-    }
     const int row = t.m * BM + wg * 64;
     if (row >= g.c.rows()) return;  // this warpgroup's rows are all past M
     auto& blocks = scratch.c[wg];
@@ -143,7 +124,6 @@ void run(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
       .tiles_n = ceil_div(int(p.n), K::BN),
       .k_iters = ceil_div(int(p.k), K::BK),
       .group_rows = group_rows,
-      .stagger = ceil_div(int(p.k), K::BK) >= 3 && ceil_div(int(p.k), K::BK) <= Stages,
   };
   // Balanced grid: the fewest CTAs that still take the tiles in as many rounds as one CTA per SM would, so
   // that every CTA runs the same number of tiles (4096^3: 512 tiles in 4 rounds on 128 CTAs, not 116 CTAs
