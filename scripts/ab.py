@@ -7,7 +7,8 @@
 Make a patch here with e.g. `git diff main wip/decode-pdl > ab/decode-pdl.patch` (ab/ is not ignored, so it
 travels with the device call). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
 to the base (the CPU cores split between the builds); then each variant's --test files run, and each family's
-bench runs once per tree, in turn (base, variants, then base again, so that drift shows). PATCH=fam1,fam2 times that variant on those families
+bench runs once per tree, in turn (base, variants, then base again, so that drift shows; --rounds N repeats
+variants and base N times and reports medians). PATCH=fam1,fam2 times that variant on those families
 only (the families run are the union of --family and these); A.patch+B.patch is one variant with both applied. Prints, per case, every
 variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each; the JSON lands in
 $OUT/ab/. The bench table of bench/results is not touched.
@@ -80,25 +81,41 @@ def rows(path: Path) -> dict[tuple[str, str], dict[str, float]]:
     return out
 
 
-def compare(base_runs: list[dict], variants: dict[str, dict]) -> list[str]:
+def median_of(runs: list[dict], key: tuple[str, str], impl: str = "tk") -> float | None:
+    values = [run[key][impl] for run in runs if key in run and impl in run[key]]
+    return statistics.median(values) if values else None
+
+
+def peer_ratio(runs: list[dict], key: tuple[str, str]) -> str:
+    """Best peer's time over tk's, the median over the runs (each run's ratio from its own peers)."""
+    ratios = []
+    for run in runs:
+        impls = run.get(key, {})
+        peers = [ms for impl, ms in impls.items() if impl != "tk"]
+        if peers and "tk" in impls:
+            ratios.append(min(peers) / impls["tk"])
+    return f"{statistics.median(ratios):.3f}" if ratios else "-"
+
+
+def compare(base_runs: list[dict], variants: dict[str, list[dict]]) -> list[str]:
+    """base_runs: every base run (before, between rounds, after); variants: each variant's runs (one a round).
+    Ratios are medians over the runs; drift is the base's slowest run over its fastest."""
     lines = [f"{'case':<46}{'base tk ms':>11}{'drift':>7}  " + "  ".join(f"{n + ' / base':>16}" for n in variants)
              + f"{'tk/peer base':>14}  " + "  ".join(f"{'tk/peer ' + n:>16}" for n in variants)]
-    for key in base_runs[0]:
+    keys = list(dict.fromkeys(k for run in base_runs for k in run))
+    for key in keys:
         tks = [run[key]["tk"] for run in base_runs if key in run and "tk" in run[key]]
         if not tks:
             continue
         base_tk = statistics.median(tks)
         drift = max(tks) / min(tks)
-
-        def vs_peer(impls: dict[str, float]) -> str:
-            peers = [ms for impl, ms in impls.items() if impl != "tk"]
-            return f"{min(peers) / impls['tk']:.3f}" if peers and "tk" in impls else "-"
-
-        ratio = [f"{variants[n][key]['tk'] / base_tk:.3f}" if key in variants[n] and "tk" in variants[n][key] else "-"
-                 for n in variants]
+        ratio = []
+        for n in variants:
+            v = median_of(variants[n], key)
+            ratio.append(f"{v / base_tk:.3f}" if v is not None else "-")
         lines.append(f"{key[0] + ':' + key[1]:<46}{base_tk:>11.4f}{drift:>7.3f}  " + "  ".join(f"{r:>16}" for r in ratio)
-                     + f"{vs_peer(base_runs[0][key]):>14}  "
-                     + "  ".join(f"{vs_peer(variants[n].get(key, {})):>16}" for n in variants))
+                     + f"{peer_ratio(base_runs, key):>14}  "
+                     + "  ".join(f"{peer_ratio(variants[n], key):>16}" for n in variants))
     return lines
 
 
@@ -110,6 +127,9 @@ def main() -> int:
     parser.add_argument("--test-for", action="append", default=[], metavar="NAME=PYTEST_FILE",
                         help="a pytest file only variant NAME must pass first")
     parser.add_argument("--root", type=Path, default=Path("/tmp/ab"))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time base, variants, base ... this many times over (short kernels whose time is "
+                             "bimodal from process to process); the ratios are medians over the rounds")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "ab"
     out.mkdir(parents=True, exist_ok=True)
@@ -155,34 +175,44 @@ def main() -> int:
                 print("\n".join(f"  | {x[:300]}" for x in failed[-12:]), flush=True)
                 trees.pop(n)  # a variant that fails its tests is not timed
                 break
-    base_runs, variants = [], {}
+    # base_slots[i]: the i-th base run of every family (families merged); variant_slots[n][r]: round r of n.
+    base_slots: list[dict] = []
+    variant_slots: dict[str, list[dict]] = {}
+    report: list[str] = []
     for fam in families:
         runs = [(n, t) for n, t in trees.items() if fam in families_of[n]]
         if not runs:
             continue
-        for label, tree, is_base in [("base", REPO, True), *((n, t, False) for n, t in runs), ("base2", REPO, True)]:
-            path = out / f"{fam}_{'' if is_base else 'variant_'}{label}.json"
-            log = out / f"bench_{'' if is_base else 'variant_'}{label}.log"
+        order = [("base", REPO, None)]
+        for r in range(args.rounds):
+            order += [(n, t, r) for n, t in runs] + [("base", REPO, None)]
+        base_index = 0
+        for label, tree, round_ in order:
+            tag = f"{label}{base_index if round_ is None else round_}"
+            path = out / f"{fam}_{'' if round_ is None else 'variant_'}{tag}.json"
+            log = out / f"bench_{'' if round_ is None else 'variant_'}{tag}.log"
             rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path)], log)
+            if round_ is None:
+                base_index += 1
             if rc != 0 or not path.exists():
-                print(f"{fam} {label}: bench failed (rc {rc}), see {log}", flush=True)
+                print(f"{fam} {tag}: bench failed (rc {rc}), see {log}", flush=True)
                 continue
-            if is_base:
-                base_runs.append(rows(path))
+            if round_ is None:
+                while len(base_slots) < base_index:
+                    base_slots.append({})
+                base_slots[base_index - 1].update(rows(path))
             else:
-                variants.setdefault(label, {}).update(rows(path))
-        if base_runs:  # after each family, so that a call stopped at its limit still brings the finished ones back
-            report = compare(_merged(base_runs), variants)
+                slots = variant_slots.setdefault(label, [])
+                while len(slots) <= round_:
+                    slots.append({})
+                slots[round_].update(rows(path))
+        if base_slots:  # after each family, so that a call stopped at its limit still brings the finished ones back
+            report = compare(base_slots, variant_slots)
             (out / "report.txt").write_text("\n".join(report) + "\n")
-    if not base_runs:
+    if not base_slots:
         return 1
     print("\n".join(report))
     return 0
-
-
-def _merged(base_runs: list[dict]) -> list[dict]:
-    """Each family's two base runs (before and after its variants) merged across families: [before, after]."""
-    return [{k: v for run in base_runs[i::2] for k, v in run.items()} for i in range(min(2, len(base_runs)))]
 
 
 if __name__ == "__main__":

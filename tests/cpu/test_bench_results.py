@@ -38,11 +38,21 @@ def test_ab_report_gives_variant_over_base_and_the_base_drift():
 
     base = [{("k", "c1"): {"tk": 1.0, "fa3": 0.8}, ("k", "c2"): {"tk": 2.0, "fa3": 2.2}},
             {("k", "c1"): {"tk": 1.02, "fa3": 0.8}, ("k", "c2"): {"tk": 2.0, "fa3": 2.2}}]
-    variants = {"pdl": {("k", "c1"): {"tk": 0.9, "fa3": 0.81}}}
+    variants = {"pdl": [{("k", "c1"): {"tk": 0.9, "fa3": 0.81}}]}
     header, c1, c2 = ab.compare(base, variants)
     assert "pdl / base" in header
-    assert c1.split()[1:6] == ["1.0100", "1.020", "0.891", "0.800", "0.900"]  # median base, drift, ratio, tk/peer
+    # median base, drift, ratio, peer / tk (the median over the base runs: 0.8 and 0.784), the variant's
+    assert c1.split()[1:6] == ["1.0100", "1.020", "0.891", "0.792", "0.900"]
     assert c2.split()[1:4] == ["2.0000", "1.000", "-"]  # a case the variant did not run
+
+
+def test_ab_report_takes_medians_over_rounds():
+    import ab
+
+    base = [{("k", "c"): {"tk": t}} for t in (1.0, 1.1, 0.9)]
+    variants = {"v": [{("k", "c"): {"tk": t}} for t in (0.8, 1.2, 0.85)]}
+    _, row = ab.compare(base, variants)
+    assert row.split()[1:4] == ["1.0000", "1.222", "0.850"]  # median base, slowest / fastest base, median variant
 
 
 def _write_bench_rows(args: list[str], ms: float) -> None:
@@ -109,6 +119,31 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     assert "based-step-pipelined / base" in report[0] and "mask-branchless / base" in report[0]
     assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.800"]
     assert report[2].split()[:5] == ["attn_decode:c", "1.0000", "1.000", "-", "0.800"]
+
+
+def test_ab_rounds_interleave_variants_and_base(tmp_path, monkeypatch):
+    import ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    ran, variant_ms = [], iter([0.7, 0.9, 0.8])
+
+    def fake_run(tree, args, log, timeout=900):
+        if args[0] == "scripts/bench.py":
+            ran.append(tree.name if tree != ab.REPO else "BASE")
+            _write_bench_rows(args, 1.0 if tree == ab.REPO else next(variant_ms))
+        return 0
+
+    monkeypatch.setattr(ab, "run_in", fake_run)
+    patches = tmp_path / "patches"
+    _patches_adding_a_file_each(patches, ("v",))
+    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'v.patch'}=gemm", "--rounds", "3",
+                                      "--root", str(tmp_path / "trees")])
+    assert ab.main() == 0
+    assert ran == ["BASE", "v", "BASE", "v", "BASE", "v", "BASE"]
+    report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
+    assert report[1].split()[:4] == ["gemm:c", "1.0000", "1.000", "0.800"]  # the median of 0.7, 0.9, 0.8
 
 
 def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypatch):
