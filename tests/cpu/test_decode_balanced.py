@@ -140,3 +140,19 @@ def test_pieces_merge_to_full_attention(seed):
 def test_balanced_mode_rule(batch, context, splits, expected):
     plan = decode_plan.make_plan(batch, context, 1, 32, 8, 128, 16, 132, -1, splits, "NVIDIA H200")
     assert attention.balanced_mode(plan, splits) == expected, plan
+
+
+def test_limits_mirrored_from_the_kernel_header_match_it():
+    """The Python planners mirror two limits of csrc/kernels/attention.h; a change on one side must reach the other."""
+    import re
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parents[2] / "csrc" / "kernels" / "attention.h").read_text()
+
+    def constant(name: str) -> int:
+        found = re.search(rf"constexpr int {name} = (\d+);", header)
+        assert found, f"{name} not found in attention.h"
+        return int(found.group(1))
+
+    assert constant("DECODE_BALANCED_MAX_CTAS") == decode_balanced.MAX_CTAS
+    assert constant("DECODE_MAX_COARSEN_LEVELS") == decode_plan.MAX_COARSEN_LEVELS
