@@ -1,5 +1,7 @@
 """Sweep the GEMM launch knobs (ring depth, release lag, raster width) on the GPU.
 
+    python3 scripts/tune_gemm.py [s4l1g16 s3l0g8 ...]   # labels: stages, lag, group rows (default: a fixed set)
+
 Each variant runs the gemm benchmark family in its own process (the knobs are read once per process from
 TK_GEMM_STAGES, TK_GEMM_LAG, TK_GEMM_GROUP_ROWS) and the table shows tk / cuBLAS per case and variant.
 """
@@ -9,6 +11,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,9 +22,18 @@ VARIANTS = [dict(TK_GEMM_STAGES=s, TK_GEMM_LAG=lag, TK_GEMM_GROUP_ROWS=g)
                dict(TK_GEMM_STAGES=4, TK_GEMM_LAG=1, TK_GEMM_GROUP_ROWS=8)]
 
 
+def parse(label: str) -> dict[str, int]:
+    """'s3l0g8' -> TK_GEMM_STAGES=3, TK_GEMM_LAG=0, TK_GEMM_GROUP_ROWS=8."""
+    found = re.fullmatch(r"s(\d+)l(\d+)g(\d+)", label)
+    if not found:
+        raise SystemExit(f"tune_gemm: variant labels look like s4l1g16, not {label!r}")
+    s, lag, g = map(int, found.groups())
+    return dict(TK_GEMM_STAGES=s, TK_GEMM_LAG=lag, TK_GEMM_GROUP_ROWS=g)
+
+
 def main() -> int:
     table: dict[str, dict[str, float]] = {}
-    for v in VARIANTS:
+    for v in [parse(a) for a in sys.argv[1:]] or VARIANTS:
         label = f"s{v['TK_GEMM_STAGES']}l{v['TK_GEMM_LAG']}g{v['TK_GEMM_GROUP_ROWS']}"
         out = pathlib.Path(tempfile.mkdtemp()) / "gemm.json"
         env = {**os.environ, **{k: str(x) for k, x in v.items()}}
