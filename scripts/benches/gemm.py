@@ -1,6 +1,8 @@
 """GEMM family: tk vs cuBLAS (torch.matmul), bf16, same inputs, same timing."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 import tk_backend
@@ -21,8 +23,13 @@ def case_name(m: int, n: int, k: int, trans_b: bool) -> str:
 
 
 def run(quick: bool = False) -> list[Row]:
+    """All cases; TK_GEMM_CASES=4096x4096x64,... (case names): those alone (knob sweeps, scripts/tune_gemm.py)."""
+    only = [c for c in os.environ.get("TK_GEMM_CASES", "").split(",") if c]
+    cases = [c for c in CASES if not only or case_name(*c) in only]
+    if only and len(cases) != len(only):
+        raise SystemExit(f"TK_GEMM_CASES names cases this family does not have: {only}")
     rows = []
-    for m, n, k, trans_b in CASES[:3] if quick else CASES:
+    for m, n, k, trans_b in cases[:3] if quick else cases:
         per_set = 2 * (m * k + k * n + m * n)
         sets = copies_to_defeat_l2(per_set)
         a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
