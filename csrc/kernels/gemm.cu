@@ -10,6 +10,8 @@ using namespace kittens;
 
 namespace {
 
+constexpr int k_slice = 64;  // BK: the k-extent of one ring stage
+
 // Stages: depth of the input ring. The epilogue uses what the ring leaves of shared memory: with 4 stages
 // each warpgroup stages two 64 x 64 blocks at a time, with 3 its whole 64 x 256 at once.
 // Cluster 2: two CTAs own vertically adjacent tiles of the same column block; each loads half of the
@@ -18,7 +20,7 @@ namespace {
 // Lag: stages a consumer keeps its products in flight before freeing a stage (see lcsf::release_lag).
 template <typename T, bool BIsNK, int Stages, int Cluster, int Lag = 1>
 struct gemm_kernel {
-  static constexpr int BM = 128, BN = 256, BK = 64, consumers = 2, stages = Stages, cluster = Cluster;
+  static constexpr int BM = 128, BN = 256, BK = k_slice, consumers = 2, stages = Stages, cluster = Cluster;
   static constexpr int release_lag = Lag;
   static constexpr int pieces = BN / 64, batch = Stages >= 4 ? 2 : 4;
   using a_tile = st<T, BM, BK>;
@@ -108,10 +110,33 @@ int env_int(const char* name, int fallback) {
   return v ? std::atoi(v) : fallback;
 }
 
+// The launch plan a shape gets (tuned on the H200 with scripts/tune_gemm.py; TK_GEMM_STAGES, TK_GEMM_LAG and
+// TK_GEMM_GROUP_ROWS override it for sweeps):
+// - short K (a tile's k-slices all fit in a 4-stage ring): 4 stages, so the producer loads the next tile whole
+//   during the epilogue, and tiles in row-major order: A and B sit in L2 in any order and the output is nearly
+//   all the traffic, so each round of tiles writes whole row panels of it (4096 x 4096 x 64: 1.21-1.22x cuBLAS
+//   against 1.13-1.17x in 16-row groups).
+// - longer K: 3 stages, whose shared memory leaves each warpgroup room to stage its whole 64 x 256 output at once
+//   (one store wait a tile, not two), in 16-row groups for A and B's reuse in L2 (squares 1.00-1.02x cuBLAS,
+//   K=1024 1.03x against 4 stages).
+struct launch_plan {
+  int stages, lag, group_rows;
+};
+
+launch_plan plan_for(int k_iters) {
+  static const int stages = env_int("TK_GEMM_STAGES", 0), lag = env_int("TK_GEMM_LAG", -1),
+                   group_rows = env_int("TK_GEMM_GROUP_ROWS", 0);
+  const bool short_k = k_iters <= 4;
+  return {
+      .stages = stages == 3 || stages == 4 ? stages : short_k ? 4 : 3,
+      .lag = lag == 0 || lag == 1 ? lag : 1,
+      .group_rows = group_rows > 0 ? group_rows : short_k ? 1 : 16,
+  };
+}
+
 template <typename T, bool BIsNK, int Stages, int Cluster, int Lag>
-void run(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
+void run(const tk::gemm_problem& p, int group_rows, int num_sms, cudaStream_t stream) {
   using K = gemm_kernel<T, BIsNK, Stages, Cluster, Lag>;
-  static const int group_rows = env_int("TK_GEMM_GROUP_ROWS", 16);  // tuning knob: L2 raster width
   auto* a = static_cast<T*>(const_cast<void*>(p.a));
   auto* b = static_cast<T*>(const_cast<void*>(p.b));
   auto* c = static_cast<T*>(p.c);
@@ -134,15 +159,14 @@ void run(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
 }
 
 template <typename T, bool BIsNK>
-void run_stages(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
-  static const int stages = env_int("TK_GEMM_STAGES", 4);  // tuning knob: 3 or 4
-  static const int lag = env_int("TK_GEMM_LAG", 1);        // tuning knob: 0 or 1
-  if (stages == 3) {
-    if (lag == 0) run<T, BIsNK, 3, 1, 0>(p, num_sms, stream);
-    else run<T, BIsNK, 3, 1, 1>(p, num_sms, stream);
+void run_planned(const tk::gemm_problem& p, int num_sms, cudaStream_t stream) {
+  const launch_plan plan = plan_for(ceil_div(int(p.k), k_slice));
+  if (plan.stages == 3) {
+    if (plan.lag == 0) run<T, BIsNK, 3, 1, 0>(p, plan.group_rows, num_sms, stream);
+    else run<T, BIsNK, 3, 1, 1>(p, plan.group_rows, num_sms, stream);
   } else {
-    if (lag == 0) run<T, BIsNK, 4, 1, 0>(p, num_sms, stream);
-    else run<T, BIsNK, 4, 1, 1>(p, num_sms, stream);
+    if (plan.lag == 0) run<T, BIsNK, 4, 1, 0>(p, plan.group_rows, num_sms, stream);
+    else run<T, BIsNK, 4, 1, 1>(p, plan.group_rows, num_sms, stream);
   }
 }
 
@@ -152,11 +176,11 @@ namespace tk {
 
 void gemm(const gemm_problem& p, int num_sms, cudaStream_t stream) {
   if (p.type == dtype::bf16) {
-    if (p.b_is_nk) run_stages<bf16, true>(p, num_sms, stream);
-    else run_stages<bf16, false>(p, num_sms, stream);
+    if (p.b_is_nk) run_planned<bf16, true>(p, num_sms, stream);
+    else run_planned<bf16, false>(p, num_sms, stream);
   } else {
-    if (p.b_is_nk) run_stages<half, true>(p, num_sms, stream);
-    else run_stages<half, false>(p, num_sms, stream);
+    if (p.b_is_nk) run_planned<half, true>(p, num_sms, stream);
+    else run_planned<half, false>(p, num_sms, stream);
   }
 }
 
