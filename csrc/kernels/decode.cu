@@ -362,11 +362,32 @@ __device__ int step_chunk(const tk::attn_decode_problem& p) {
   return chosen;
 }
 
+// The schedule kernels' running sum: value(i) over i in [0, n), a SCHEDULE_THREADS-wide tile at a time; each thread
+// calls use(i, before, value) for its i < n, before = value(0) + ... + value(i - 1). Returns the total (every
+// thread). `carry` is a __shared__ long long; the block syncs between tiles.
+using schedule_scan = cub::BlockScan<long long, SCHEDULE_THREADS>;
+template <typename Value, typename Use>
+__device__ long long scan_in_tiles(typename schedule_scan::TempStorage& storage, long long& carry, int n, Value value,
+                                   Use use) {
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int base = 0; base < n; base += SCHEDULE_THREADS) {
+    const int i = base + threadIdx.x;
+    const long long v = i < n ? value(i) : 0;
+    long long before, tile_total;
+    schedule_scan(storage).ExclusiveSum(v, before, tile_total);
+    if (i < n) use(i, carry + before, v);
+    __syncthreads();  // everyone has read carry and is done with the scan storage
+    if (threadIdx.x == 0) carry += tile_total;
+    __syncthreads();
+  }
+  return carry;
+}
+
 __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_decode_problem p) {
-  using scan_t = cub::BlockScan<long long, SCHEDULE_THREADS>;
   using reduce_t = cub::BlockReduce<long long, SCHEDULE_THREADS>;
   __shared__ union {
-    typename scan_t::TempStorage scan;
+    typename schedule_scan::TempStorage scan;
     typename reduce_t::TempStorage reduce;
   } storage;
   __shared__ long long carry, total_cost;
@@ -393,7 +414,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
   }
   if (my_end > 0) atomicMax(&end_of_work, my_end);
   const long long total = reduce_t(storage.reduce).Sum(mine);
-  if (threadIdx.x == 0) total_cost = total, carry = 0;
+  if (threadIdx.x == 0) total_cost = total;
   __syncthreads();
   if (total_cost == 0) {  // nothing to do: every CTA gets an empty range
     for (int c = threadIdx.x; c <= ctas; c += SCHEDULE_THREADS) p.cta_start[c] = 0;
@@ -404,21 +425,12 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
   // marker is one past the last slot with work, so the last CTA does not walk the empty sequences a CUDA graph
   // pads the batch with.
   if (threadIdx.x == 0) p.cta_start[0] = 0, p.cta_start[ctas] = end_of_work;
-  for (int base = 0; base < n; base += SCHEDULE_THREADS) {
-    const int i = base + threadIdx.x;
-    int4 w;
-    const long long cost = i < n ? item(i, w) : 0;
-    long long before, tile_total;
-    scan_t(storage.scan).ExclusiveSum(cost, before, tile_total);
-    before += carry;
-    if (i < n) {
-      const long long lo = before * ctas / total_cost, hi = (before + cost) * ctas / total_cost;
-      for (long long c = lo + 1; c <= hi && c < ctas; c++) p.cta_start[c] = i + 1;
-    }
-    __syncthreads();  // everyone has read carry and is done with the scan storage
-    if (threadIdx.x == 0) carry += tile_total;
-    __syncthreads();
-  }
+  scan_in_tiles(
+      storage.scan, carry, n, [&](int i) { int4 w; return item(i, w); },
+      [&](int i, long long before, long long cost) {
+        const long long lo = before * ctas / total_cost, hi = (before + cost) * ctas / total_cost;
+        for (long long c = lo + 1; c <= hi && c < ctas; c++) p.cta_start[c] = i + 1;
+      });
 }
 
 // Balanced mode's schedule (one block): seq_at = the exclusive scan of hkv * cost_b over the batch (into the
@@ -431,9 +443,8 @@ static_assert(BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS == tk::DECODE_BALANCED
 
 template <int ALIGN>
 __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_decode_problem p) {
-  using scan_t = cub::BlockScan<long long, SCHEDULE_THREADS>;
   using owner_scan_t = cub::BlockScan<int, SCHEDULE_THREADS>;
-  __shared__ typename scan_t::TempStorage storage;
+  __shared__ typename schedule_scan::TempStorage storage;
   __shared__ typename owner_scan_t::TempStorage owner_storage;
   __shared__ int owner[BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS];  // per CTA: the sequence starting there, or -1
   __shared__ long long carry;
@@ -441,19 +452,10 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_deco
   const balanced_rule r = balanced_rule_of<ALIGN>(p);
   long long* seq_at = reinterpret_cast<long long*>(p.work_items);
   const int segs = p.batch * p.hkv, ctas = p.num_ctas;
-  if (threadIdx.x == 0) carry = 0;
   for (int c = threadIdx.x; c < BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS; c += SCHEDULE_THREADS) owner[c] = -1;
-  __syncthreads();
-  for (int base = 0; base < p.batch; base += SCHEDULE_THREADS) {
-    const int b = base + threadIdx.x;
-    long long before, tile_total;
-    scan_t(storage).ExclusiveSum(b < p.batch ? p.hkv * r.cost(r.visible(b)) : 0, before, tile_total);
-    if (b < p.batch) seq_at[b] = carry + before;
-    __syncthreads();  // everyone has read carry and is done with the scan storage
-    if (threadIdx.x == 0) carry += tile_total;
-    __syncthreads();
-  }
-  const long long total = carry;
+  const long long total = scan_in_tiles(
+      storage, carry, p.batch, [&](int b) { return p.hkv * r.cost(r.visible(b)); },
+      [&](int b, long long before, long long) { seq_at[b] = before; });
   if (threadIdx.x == 0) seq_at[p.batch] = total;
   if (total == 0) {
     for (int c = threadIdx.x; c <= ctas; c += SCHEDULE_THREADS) p.cta_start[c] = segs;
