@@ -70,6 +70,37 @@ def test_gemm_cuda_graph_capture(seed):
     assert_close(out, reference.gemm(a, b), rel=1e-2, atol=1.0, what="graph replay")
 
 
+def test_gemm_chained_calls_see_each_other(seed):
+    """Back-to-back GEMMs overlap (programmatic dependent launch): each must still read the one before it complete,
+    and not write over what that one still reads; eager and in a graph that starts with a memset node."""
+    a = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    b1 = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) / 16
+    b2 = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16) / 16
+    b3 = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    c1, c2 = torch.empty(1024, 512, device="cuda", dtype=torch.bfloat16), torch.empty(1024, 64, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        c1.zero_()
+        tk_backend.gemm(a, b1, out=c1)
+        tk_backend.gemm(c1, b2, out=c2)  # reads c1 as the first writes it
+        tk_backend.gemm(c2, b3, out=c1)  # overwrites c1, which the second read
+        return c1
+
+    want1 = reference.gemm(a, b1).to(torch.bfloat16)
+    want2 = reference.gemm(want1, b2).to(torch.bfloat16)
+    want = reference.gemm(want2, b3)
+    for _ in range(3):
+        assert_close(chain().clone(), want, rel=2e-2, atol=1.0, what="eager chain")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    for _ in range(3):
+        c1.fill_(float("nan")), c2.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(c1, want, rel=2e-2, atol=1.0, what="graph chain")
+
+
 def test_gemm_under_torch_compile(seed):
     a = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(192, 128, device="cuda", dtype=torch.bfloat16)

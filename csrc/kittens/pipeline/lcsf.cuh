@@ -56,6 +56,12 @@
 // earlier, when its blocks would all land on the few SMs this grid leaves free and run there crowded (session 13:
 // b1 ctx8192 decode 1.06-1.15x slower with an early allow_next).
 //
+// Overlapped successor: a policy may also set `static constexpr bool early_next = true`. Each CTA's producer then
+// calls allow_next once it has sent for its last task's inputs, so that a chained kernel after this one (the next
+// GEMM of a stream of them) is launched while this one's consumers still multiply and store: its CTAs take the
+// SMs this grid leaves free or frees, set up, and wait there (chain::wait) for this grid to complete. Meant for
+// kernels of one CTA an SM, whose successors cannot crowd in beside them.
+//
 // Clusters: a policy may set `static constexpr int cluster = 2` (or 4). Its CTAs then walk the work list
 // together (task ids count clusters, and K::task maps (id, rank) to each CTA's own work item), and a stage
 // is reloaded only once every CTA of the cluster has freed it, so loads may multicast into all of them.
@@ -98,6 +104,10 @@ template <typename K> consteval bool staggered_pairs() {
 }
 template <typename K> consteval bool chained() {
   if constexpr (requires { K::chained; }) return K::chained;
+  else return false;
+}
+template <typename K> consteval bool early_next() {
+  if constexpr (requires { K::early_next; }) return K::early_next;
   else return false;
 }
 template <typename K> consteval bool dynamic_tasks() {
@@ -194,6 +204,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       } else {
         for (int id = first; id < num_tasks;) id = next_id<K>(g, load_task(id), id, step);
       }
+      if constexpr (early_next<K>()) chain::allow_next();  // every load sent: the next kernel may set up
     }
   } else {  // consumer `role`
     warpgroup::increase_registers<consumer_registers<K>>();
