@@ -1,7 +1,8 @@
 // GEMM on kittens: 128 x 256 output tiles, a producer warpgroup streaming 64-wide k-slices of A and B
 // through a TMA ring, two consumer warpgroups (64 rows each) accumulating with wgmma, and an epilogue in
 // which each warpgroup stages its rows in 64 x 64 blocks and sends each with one TMA store while the
-// producer already loads the next tile. Tiles are visited in grouped order by a persistent grid.
+// producer already loads the next tile. Tiles are visited in a per-shape order by a persistent grid, launched
+// chained (PDL), so that a GEMM after it on the stream sets up under its last tiles.
 #include <cstdlib>
 #include "../kittens/kittens.cuh"
 #include "gemm.h"
