@@ -9,11 +9,12 @@ the 4096 x 4096 output (32 MiB) is ~32x the inputs' bytes.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))
 import tk_backend  # noqa: E402
 from benchlib import copies_to_defeat_l2, time_per_call  # noqa: E402
 
