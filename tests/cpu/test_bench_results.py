@@ -303,3 +303,51 @@ def test_serve_bench_interleaves_the_engines_runs(tmp_path):
     assert all(len(runs[impl][case]) == 3 for impl in runs for case in ("x", "y"))
     assert runs["a"]["x"][0] == (0.51, 7)
     assert all(e.proc.poll() is not None for e in engines)
+
+
+def test_tune_gemm_labels_name_the_three_knobs():
+    import tune_gemm
+
+    assert tune_gemm.parse("s3l0g8") == {"TK_GEMM_STAGES": 3, "TK_GEMM_LAG": 0, "TK_GEMM_GROUP_ROWS": 8}
+    with pytest.raises(SystemExit, match="s4l1g16"):
+        tune_gemm.parse("stages3")
+
+
+def test_tune_gemm_rounds_report_medians_per_variant(monkeypatch, capsys):
+    import json as json_module
+
+    import tune_gemm
+
+    runs = iter([1.0, 1.3, 1.1, 1.2, 1.2, 1.4])  # tk / cublas of (round, variant): s4 1.0 1.1 1.2, s3 1.3 1.2 1.4
+    env_seen = []
+
+    def fake_run(cmd, env, check, stdout):
+        env_seen.append((env["TK_GEMM_STAGES"], env.get("TK_GEMM_CASES")))
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.write_text(json_module.dumps({"results": [
+            {"case": "4096x4096x64", "impl": "tk", "tflops": next(runs)},
+            {"case": "4096x4096x64", "impl": "cublas", "tflops": 1.0}]}))
+
+    monkeypatch.setattr(tune_gemm.subprocess, "run", fake_run)
+    monkeypatch.setenv("TK_GEMM_CASES", "4096x4096x64")
+    monkeypatch.setattr(sys, "argv", ["tune_gemm.py", "s4l1g16", "s3l1g16", "--rounds", "3"])
+    assert tune_gemm.main() == 0
+    assert env_seen == [("4", "4096x4096x64"), ("3", "4096x4096x64")] * 3  # interleaved, the case filter passed on
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split() == ["4096x4096x64", "1.100", "1.300"]  # medians
+    assert table[3].split() == ["4096x4096x64", "0.200", "0.200"]  # ranges
+
+
+def test_gemm_bench_runs_only_the_cases_named(monkeypatch):
+    from benches import gemm as gemm_bench
+
+    monkeypatch.setattr(gemm_bench, "copies_to_defeat_l2", lambda per_set: 0)  # no inputs allocated
+    monkeypatch.setattr(gemm_bench, "time_per_call", lambda call, sets: 1.0)
+    monkeypatch.setattr(gemm_bench.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setenv("TK_GEMM_CASES", "4096x4096x64,4096x4096x4096_nt")
+    rows = gemm_bench.run()
+    assert [(r.case, r.impl) for r in rows] == [("4096x4096x64", "tk"), ("4096x4096x64", "cublas"),
+                                                ("4096x4096x4096_nt", "tk"), ("4096x4096x4096_nt", "cublas")]
+    monkeypatch.setenv("TK_GEMM_CASES", "4096x4096x63")
+    with pytest.raises(SystemExit, match="does not have"):
+        gemm_bench.run()
