@@ -374,16 +374,24 @@ struct attn_prefill {
   }
 };
 
-// How many (sequence, q head) pairs' K/V fit in half of L2 (the other half: Q, O and whatever else is live).
-// q heads of one kv head share its K/V, so a group counts kv heads' bytes.
-inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim) {
+// How many (sequence, q head) pairs go in one L2 group (see attn_prefill::task): without a causal mask, the pairs
+// whose query blocks make one wave of the grid, so that the CTAs running at once stream the same heads' K/V, each
+// head's together, and the next wave moves on to new heads (FA3's tile order for dense masks does the same; under
+// a causal mask the tasks differ in length and the waves do not stay in step: one-wave groups measured 0.98-1.06
+// of the L2-sized ones' time there, session 17), capped at the pairs
+// whose K/V fit in half of L2 (the other half: Q, O and whatever else is live). A group of several waves
+// re-streams its heads' K/V once a wave: at n=4096, D=128 (12 heads a group, two waves) tk's kernel read
+// ~3x the compulsory bytes from DRAM where FA3 read them once (ncu, session 17). q heads of one kv head share
+// its K/V, so the L2 cap counts kv heads' bytes.
+inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim, int q_blocks, int ctas) {
   int device = 0, l2_bytes = 0;
   TK_CUDA_CHECK(cudaGetDevice(&device));
   TK_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
   const long kv_bytes = std::max<long>(1, long(p.max_seqlen_k) * head_dim * 2 * 2);  // K and V, 16-bit
   const long kv_heads = std::max<long>(1, (l2_bytes / 2) / kv_bytes);
   const long pairs = long(p.batch) * p.hq, gqa = std::max(1, p.hq / p.hkv);
-  return int(std::clamp<long>(kv_heads * gqa, 1, pairs));
+  const long one_wave = p.causal ? pairs : std::max(1, ctas / std::max(1, q_blocks));
+  return int(std::clamp<long>(std::min(kv_heads * gqa, one_wave), 1, pairs));
 }
 
 // Three consumers (192-row query blocks) pay off unless the mask is causal over short sequences: there the
@@ -430,13 +438,14 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   g.window_right = p.window_right;
   g.scale_log2 = p.softmax_scale * LOG2E;
   g.softcap = p.softcap;
-  g.heads_per_group = heads_per_l2_group(p, D);
+  const long tasks = long(g.q_blocks) * p.batch * p.hq;
+  const int ctas = int(std::min<long>(tasks, num_sms));
+  g.heads_per_group = heads_per_l2_group(p, D, g.q_blocks, ctas);
   if constexpr (Claims) {
     g.task_counter = p.task_counter;
     TK_CUDA_CHECK(cudaMemsetAsync(p.task_counter, 0, sizeof(int), stream));
   }
-  const long tasks = long(g.q_blocks) * p.batch * p.hq;
-  lcsf::launch<K>(g, int(std::min<long>(tasks, num_sms)), stream);
+  lcsf::launch<K>(g, ctas, stream);
 }
 
 template <typename T>
