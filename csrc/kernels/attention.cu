@@ -374,15 +374,14 @@ struct attn_prefill {
   }
 };
 
-// How many (sequence, q head) pairs go in one L2 group (see attn_prefill::task): without a causal mask, the pairs
-// whose query blocks make one wave of the grid, so that the CTAs running at once stream the same heads' K/V, each
-// head's together, and the next wave moves on to new heads (FA3's tile order for dense masks does the same; under
-// a causal mask the tasks differ in length and the waves do not stay in step: one-wave groups measured 0.98-1.06
-// of the L2-sized ones' time there, session 17), capped at the pairs
-// whose K/V fit in half of L2 (the other half: Q, O and whatever else is live). A group of several waves
-// re-streams its heads' K/V once a wave: at n=4096, D=128 (12 heads a group, two waves) tk's kernel read
-// ~3x the compulsory bytes from DRAM where FA3 read them once (ncu, session 17). q heads of one kv head share
-// its K/V, so the L2 cap counts kv heads' bytes.
+// How many (sequence, q head) pairs go in one L2 group (see attn_prefill::task): at most the pairs whose K/V fit
+// in half of L2 (the other half: Q, O and whatever else is live; q heads of one kv head share its K/V, so this
+// counts kv heads' bytes), and without a causal mask at most the pairs whose query blocks make one wave of the
+// grid. A group of several waves re-streams its heads' K/V once a wave: at n=4096, D=128 (12 heads a group, two
+// waves) the kernel read ~3x the compulsory bytes from DRAM where FA3, whose dense tile order walks a head's
+// query blocks together, read them once (ncu, session 17); one-wave groups took 0.97-0.99 of the time on dense
+// masks. Under a causal mask the tasks differ in length and the waves do not stay in step: there one-wave
+// groups measured 0.98-1.06 (session 17).
 inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim, int q_blocks, int ctas) {
   int device = 0, l2_bytes = 0;
   TK_CUDA_CHECK(cudaGetDevice(&device));
