@@ -1,6 +1,6 @@
 """Two kernels side by side under Nsight Compute: the metrics of a few sections, as one text table.
 
-    python3 scripts/ncu_pair.py prefill [B H N D] [--causal]   # tk's prefill kernel vs FA3's, same inputs
+    python3 scripts/ncu_pair.py prefill [B H N D] [--causal] [--stalls]  # tk's prefill kernel vs FA3's, same inputs
     python3 scripts/ncu_pair.py based_step                     # tk's Based decode step vs a copy of its bytes
     python3 scripts/ncu_pair.py gemm [M N K]                   # tk's GEMM vs cuBLAS (torch.matmul), bf16
     python3 scripts/ncu_pair.py ssd                            # tk's Mamba-2 scan: the bench's paper case
@@ -108,11 +108,18 @@ torch.cuda.synchronize()
 """
 
 
-def run_side(command: list[str], kernel_regex: str, label: str, out: Path) -> dict[str, str]:
+# --stalls: the warp-state breakdown (average warps stalled for each reason, per issued instruction), which ncu
+# lists under "Command line profiler metrics". It averages every warp of the kernel, producers with consumers.
+STALLS = r"regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$"
+
+
+def run_side(command: list[str], kernel_regex: str, label: str, out: Path, stalls: bool = False) -> dict[str, str]:
     ncu = ["ncu", "--csv", "--page", "details", "--kernel-name-base", "demangled", "-k", f"regex:{kernel_regex}",
            "-s", "2", "-c", "1"]
     for section in SECTIONS:
         ncu += ["--section", section]
+    if stalls:
+        ncu += ["--metrics", STALLS]
     proc = subprocess.run(ncu + command, cwd=REPO, capture_output=True, text=True, timeout=600)
     (out / f"ncu_{label}.csv").write_text(proc.stdout + "\n" + proc.stderr[-4000:])
     lines = [line for line in proc.stdout.splitlines() if line.startswith('"')]
@@ -130,6 +137,7 @@ def main() -> int:
     parser.add_argument("what", choices=["prefill", "based_step", "ssd", "gemm", "decode"])
     parser.add_argument("shape", nargs="*", type=int, default=[16, 16, 4096, 128])
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--stalls", action="store_true", help="add the stall reasons (see STALLS)")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "ncu"
     out.mkdir(parents=True, exist_ok=True)
@@ -151,14 +159,15 @@ def main() -> int:
     else:
         sides = {s: ([sys.executable, "-c", BASED_STEP.format(repo=str(REPO), side=s)], regex)
                  for s, regex in (("tk", "based_step"), ("copy", "direct_copy"))}
-    results = {label: run_side(cmd, regex, label, out) for label, (cmd, regex) in sides.items()}
+    suffix = "_causal" if args.causal else ""  # so that a full and a causal run in one call keep both files
+    results = {label: run_side(cmd, regex, label + suffix, out, args.stalls) for label, (cmd, regex) in sides.items()}
     a, b = results
     names = [n for n in results[a] if n in results[b]]
     width = max((len(n) for n in names), default=20)
     lines = [f"{'metric':<{width}}  {a:>18}  {b:>18}"]
     lines += [f"{n:<{width}}  {results[a][n]:>18}  {results[b][n]:>18}" for n in names]
     print("\n".join(lines))
-    (out / f"pair_{args.what}.txt").write_text("\n".join(lines) + "\n")
+    (out / f"pair_{args.what}{suffix}.txt").write_text("\n".join(lines) + "\n")
     return 0 if names else 1
 
 
