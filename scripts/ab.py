@@ -188,24 +188,17 @@ def main() -> int:
             order += [(n, t, r) for n, t in runs] + [("base", REPO, None)]
         base_index = 0
         for label, tree, round_ in order:
-            tag = f"{label}{base_index if round_ is None else round_}"
-            path = out / f"{fam}_{'' if round_ is None else 'variant_'}{tag}.json"
-            log = out / f"bench_{'' if round_ is None else 'variant_'}{tag}.log"
+            is_base = round_ is None
+            index = base_index if is_base else round_  # the base run's number, or the variant's round
+            base_index += is_base
+            tag = f"{label}{index}"
+            path = out / f"{fam}_{'' if is_base else 'variant_'}{tag}.json"
+            log = out / f"bench_{'' if is_base else 'variant_'}{tag}.log"
             rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path)], log)
-            if round_ is None:
-                base_index += 1
             if rc != 0 or not path.exists():
                 print(f"{fam} {tag}: bench failed (rc {rc}), see {log}", flush=True)
                 continue
-            if round_ is None:
-                while len(base_slots) < base_index:
-                    base_slots.append({})
-                base_slots[base_index - 1].update(rows(path))
-            else:
-                slots = variant_slots.setdefault(label, [])
-                while len(slots) <= round_:
-                    slots.append({})
-                slots[round_].update(rows(path))
+            _slot(base_slots if is_base else variant_slots.setdefault(label, []), index).update(rows(path))
         if base_slots:  # after each family, so that a call stopped at its limit still brings the finished ones back
             report = compare(base_slots, variant_slots)
             (out / "report.txt").write_text("\n".join(report) + "\n")
@@ -213,6 +206,12 @@ def main() -> int:
         return 1
     print("\n".join(report))
     return 0
+
+
+def _slot(runs: list[dict], i: int) -> dict:
+    """runs[i], the list grown with empty runs up to it (a failed bench leaves its slot empty)."""
+    runs.extend({} for _ in range(i + 1 - len(runs)))
+    return runs[i]
 
 
 if __name__ == "__main__":
