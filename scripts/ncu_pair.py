@@ -1,6 +1,8 @@
 """Two kernels side by side under Nsight Compute: the metrics of a few sections, as one text table.
 
     python3 scripts/ncu_pair.py prefill [B H N D] [--causal] [--stalls]  # tk's prefill kernel vs FA3's, same inputs
+    python3 scripts/ncu_pair.py prefill [B H N D] [--causal] --sass      # tk's kernel alone: stall samples per SASS
+                                                                         # instruction (where its warps wait)
     python3 scripts/ncu_pair.py based_step                     # tk's Based decode step vs a copy of its bytes
     python3 scripts/ncu_pair.py gemm [M N K]                   # tk's GEMM vs cuBLAS (torch.matmul), bf16
     python3 scripts/ncu_pair.py ssd                            # tk's Mamba-2 scan: the bench's paper case
@@ -132,12 +134,46 @@ def run_side(command: list[str], kernel_regex: str, label: str, out: Path, stall
     return metrics
 
 
+def sass_hotspots(command: list[str], kernel_regex: str, label: str, out: Path, top: int = 60) -> int:
+    """tk's kernel alone under the SourceCounters section: ncu samples each warp's program counter and stall reason,
+    and the source page lists them per SASS instruction. Saves the whole page ($OUT/ncu/sass_LABEL.csv) and prints
+    the `top` instructions by samples, with their share of all samples."""
+    rep = out / f"sass_{label}"
+    ncu = ["ncu", "--kernel-name-base", "demangled", "-k", f"regex:{kernel_regex}", "-s", "2", "-c", "1",
+           "--section", "SourceCounters", "--section", "WarpStateStats", "-f", "-o", str(rep)]
+    proc = subprocess.run(ncu + command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        print(f"{label}: ncu failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        return 1
+    page = subprocess.run(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "source", "--print-source", "sass"],
+                          capture_output=True, text=True, timeout=600)
+    (out / f"sass_{label}.csv").write_text(page.stdout)
+    lines = [line for line in page.stdout.splitlines() if line.startswith('"')]
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    key = next((k for k in (rows[0] if rows else {}) if k.startswith("Warp Stall Sampling (All")), None)
+    if key is None:
+        print(f"{label}: no stall samples on the source page (exit {page.returncode}):\n{page.stderr[-2000:]}\n"
+              f"columns: {list(rows[0]) if rows else []}")
+        return 1
+    def samples(row: dict) -> float:
+        try:
+            return float(row[key].replace(",", "") or 0)
+        except ValueError:
+            return 0.0
+    total = sum(samples(r) for r in rows) or 1.0
+    print(f"{label}: {len(rows)} instructions, {total:.0f} samples; top {top} (address, share, instruction):")
+    for r in sorted(rows, key=samples, reverse=True)[:top]:
+        print(f"  {r.get('Address', '?'):>8}  {100 * samples(r) / total:5.2f}%  {r.get('Source', '')}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["prefill", "based_step", "ssd", "gemm", "decode"])
     parser.add_argument("shape", nargs="*", type=int, default=[16, 16, 4096, 128])
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stalls", action="store_true", help="add the stall reasons (see STALLS)")
+    parser.add_argument("--sass", action="store_true", help="tk's kernel alone: stall samples per instruction")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "ncu"
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +196,9 @@ def main() -> int:
         sides = {s: ([sys.executable, "-c", BASED_STEP.format(repo=str(REPO), side=s)], regex)
                  for s, regex in (("tk", "based_step"), ("copy", "direct_copy"))}
     suffix = "_causal" if args.causal else ""  # so that a full and a causal run in one call keep both files
+    if args.sass:
+        command, regex = next(iter(sides.values()))
+        return sass_hotspots(command, regex, f"{next(iter(sides))}_{'_'.join(map(str, args.shape))}{suffix}", out)
     results = {label: run_side(cmd, regex, label + suffix, out, args.stalls) for label, (cmd, regex) in sides.items()}
     a, b = results
     names = [n for n in results[a] if n in results[b]]
