@@ -108,6 +108,7 @@ struct attn_prefill {
     rt<T, 16, KV> p;        // the previous tile's probabilities, waiting for their P V
     row_vec m, l;           // running row max (score units) and row sum
     row_vec rescale;        // factor o must take before the previous tile's P V is added
+    bool rescale_o;         // whether any row's is not 1 (warp-uniform; see tk::attn::RESCALE_THRESHOLD)
     const kv_tile* v_prev;  // that tile's V: its stage stays held until the current compute returns
     int q_phase;
   };
@@ -242,7 +243,7 @@ struct attn_prefill {
     s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
-    mul_row(s.o, s.o, s.rescale);  // o is idle here: only S_j is in flight
+    if (s.rescale_o) mul_row(s.o, s.o, s.rescale);  // o is idle here: only S_j is in flight
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
@@ -317,7 +318,7 @@ struct attn_prefill {
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
     const tk::attn::visibility<> vis{t.lk, t.lk - t.lq, g.window_left, g.window_right, 1, bool(g.causal)};
-    tk::attn::online_softmax(att, s.m, s.l, s.rescale, scoring(g), vis,
+    s.rescale_o = tk::attn::online_softmax<!serial>(att, s.m, s.l, s.rescale, scoring(g), vis,
                              t.qb * BQ + wg * QROWS + warpgroup::warp() * 16, (t.first + it) * KV);
   }
 
@@ -327,7 +328,7 @@ struct attn_prefill {
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int wg) {
     if constexpr (serial) return;  // every tile's P V is done in its own compute
     zero_tail(s.v_prev, t, wg);
-    mul_row(s.o, s.o, s.rescale);
+    if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);
   }

@@ -39,13 +39,20 @@ struct scoring {
   __device__ __forceinline__ float exp_scale() const { return softcap > 0.f ? LOG2E : scale_log2; }
 };
 
+// Lazy rescaling (as FlashAttention-4 does): the running max moves only when a tile's max passes it by more than
+// this many powers of two. Probabilities then reach at most 2^8 (fine in fp32 sums and in bf16 / fp16 P), and on
+// most tiles no row's max moves, so the output skips its rescale (a multiply per accumulator).
+inline constexpr float RESCALE_THRESHOLD = 8.f;
+
 // One online-softmax step on a warp's score tile `att` whose first row / column are row0 / col0:
 // masks what `vis` hides (only when the tile needs it), folds the tile into the running max m and sum l (l in
 // per-lane shares: the lanes holding a row each sum their own columns; finalize combines them),
 // turns att into unnormalised probabilities and leaves in `rescale` the factor the output accumulated so
-// far must take. m is kept in score units; a row that has seen no key yet keeps m = -inf.
-template <typename S, typename V, typename Visibility>
-__device__ __forceinline__ void online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
+// far must take. m is kept in score units; a row that has seen no key yet keeps m = -inf. Lazy: m moves only
+// past RESCALE_THRESHOLD, and the result says whether any row of the warp has a rescale other than exactly 1
+// (warp-uniform: if not, the output may skip its multiply); otherwise it is true.
+template <bool Lazy = false, typename S, typename V, typename Visibility>
+__device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0) {
   using namespace kittens;
   if (sc.softcap > 0.f) {
@@ -59,12 +66,32 @@ __device__ __forceinline__ void online_softmax(S& att, V& m, V& l, V& rescale, c
   const float es = sc.exp_scale();
   V m_new, base;
   row_max(m_new, att, m);
-  map(base, m_new, [es](float x) { return x == -INFINITY ? 0.f : x * es; });  // a row masked so far: 0
-  map(rescale, m, base, [es](float x, float b) { return fast_exp2(x * es - b); });
+  bool moved = !Lazy;
+  if constexpr (Lazy) {
+    // The old max stays unless the new one passes it by the threshold (-inf - -inf is NaN: a row still masked
+    // keeps -inf; a first visible key always moves it). A row that keeps it takes rescale 1 exactly.
+#pragma unroll
+    for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+      for (int i = 0; i < V::per_lane; i++) {
+        const float old = m.data[b][i], x = m_new.data[b][i];
+        const bool row_moved = (x - old) * es > RESCALE_THRESHOLD;
+        const float mx = row_moved ? x : old;
+        base.data[b][i] = mx == -INFINITY ? 0.f : mx * es;  // a row masked so far: 0
+        rescale.data[b][i] = row_moved ? fast_exp2(old * es - base.data[b][i]) : 1.f;
+        m.data[b][i] = mx;
+        moved |= row_moved;
+      }
+  } else {
+    map(base, m_new, [es](float x) { return x == -INFINITY ? 0.f : x * es; });  // a row masked so far: 0
+    map(rescale, m, base, [es](float x, float b) { return fast_exp2(x * es - b); });
+    copy(m, m_new);
+  }
   map_row(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
   map(l, l, rescale, [](float x, float r) { return x * r; });
   row_sum_share(l, att, l);  // l in shares: the lanes of a row are combined once, in finalize
-  copy(m, m_new);
+  if constexpr (Lazy) return __any_sync(0xffffffffu, moved);
+  return true;
 }
 
 // o /= l, and the natural-log LSE of each row (-inf and o = 0 for a row that saw no key).
