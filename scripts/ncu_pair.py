@@ -148,8 +148,10 @@ def sass_hotspots(command: list[str], kernel_regex: str, label: str, out: Path, 
     page = subprocess.run(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "source", "--print-source", "sass"],
                           capture_output=True, text=True, timeout=600)
     (out / f"sass_{label}.csv").write_text(page.stdout)
-    lines = [line for line in page.stdout.splitlines() if line.startswith('"')]
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    # The page opens with a "Kernel Name" line; the table's header is the line that starts with "Address".
+    lines = page.stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), len(lines))
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     key = next((k for k in (rows[0] if rows else {}) if k.startswith("Warp Stall Sampling (All")), None)
     if key is None:
         print(f"{label}: no stall samples on the source page (exit {page.returncode}):\n{page.stderr[-2000:]}\n"
@@ -161,9 +163,22 @@ def sass_hotspots(command: list[str], kernel_regex: str, label: str, out: Path, 
         except ValueError:
             return 0.0
     total = sum(samples(r) for r in rows) or 1.0
-    print(f"{label}: {len(rows)} instructions, {total:.0f} samples; top {top} (address, share, instruction):")
-    for r in sorted(rows, key=samples, reverse=True)[:top]:
-        print(f"  {r.get('Address', '?'):>8}  {100 * samples(r) / total:5.2f}%  {r.get('Source', '')}")
+    # Per-reason sample columns (stall_barrier, stall_wait, ...; the "(Not Issued)" twins left out).
+    reasons = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k]
+    def count(row: dict, k: str) -> float:
+        try:
+            return float(row[k].replace(",", "") or 0)
+        except ValueError:
+            return 0.0
+    overall = {k: sum(count(r, k) for r in rows) for k in reasons}
+    print(f"{label}: {len(rows)} instructions, {total:.0f} samples; by reason: " +
+          " ".join(f"{k[6:]} {100 * v / total:.1f}%" for k, v in sorted(overall.items(), key=lambda x: -x[1]) if v))
+    print(f"top {top} (index, address, share, executions, instruction, reasons over 10% of its samples):")
+    for i, r in sorted(enumerate(rows), key=lambda x: samples(x[1]), reverse=True)[:top]:
+        n = samples(r) or 1.0
+        why = " ".join(f"{k[6:]}:{100 * count(r, k) / n:.0f}" for k in reasons if count(r, k) > 0.1 * n)
+        print(f"  {i:5d} {r.get('Address', '?'):>8}  {100 * samples(r) / total:5.2f}%  "
+              f"{r.get('Instructions Executed', ''):>9}  {r.get('Source', '').strip()[:60]:60s} {why}")
     return 0
 
 
