@@ -157,19 +157,16 @@ def sass_hotspots(command: list[str], kernel_regex: str, label: str, out: Path, 
         print(f"{label}: no stall samples on the source page (exit {page.returncode}):\n{page.stderr[-2000:]}\n"
               f"columns: {list(rows[0]) if rows else []}")
         return 1
-    def samples(row: dict) -> float:
-        try:
-            return float(row[key].replace(",", "") or 0)
-        except ValueError:
-            return 0.0
-    total = sum(samples(r) for r in rows) or 1.0
-    # Per-reason sample columns (stall_barrier, stall_wait, ...; the "(Not Issued)" twins left out).
-    reasons = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k]
-    def count(row: dict, k: str) -> float:
+    def count(row: dict, k: str) -> float:  # ncu writes "1,234", "" or "-"
         try:
             return float(row[k].replace(",", "") or 0)
         except ValueError:
             return 0.0
+    def samples(row: dict) -> float:
+        return count(row, key)
+    total = sum(samples(r) for r in rows) or 1.0
+    # Per-reason sample columns (stall_barrier, stall_wait, ...; the "(Not Issued)" twins left out).
+    reasons = [k for k in rows[0] if k.startswith("stall_") and "Not Issued" not in k]
     overall = {k: sum(count(r, k) for r in rows) for k in reasons}
     print(f"{label}: {len(rows)} instructions, {total:.0f} samples; by reason: " +
           " ".join(f"{k[6:]} {100 * v / total:.1f}%" for k, v in sorted(overall.items(), key=lambda x: -x[1]) if v))

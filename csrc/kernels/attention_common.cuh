@@ -69,7 +69,7 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   const float es = sc.exp_scale();
   V m_new, base;
   row_max(m_new, att, m);
-  bool moved = !Lazy;
+  bool moved = false;  // Lazy: whether any of this lane's rows moved its max
   if constexpr (Lazy) {
     // The old max stays unless the new one passes it by the threshold (-inf - -inf is NaN: a row still masked
     // keeps -inf; a first visible key always moves it). A row that keeps it takes rescale 1 exactly.
@@ -94,7 +94,7 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   map(l, l, rescale, [](float x, float r) { return x * r; });
   row_sum_share(l, att, l);  // l in shares: the lanes of a row are combined once, in finalize
   if constexpr (Lazy) return __any_sync(0xffffffffu, moved);
-  return true;
+  else return true;
 }
 
 // o /= l, and the natural-log LSE of each row (-inf and o = 0 for a row that saw no key).
