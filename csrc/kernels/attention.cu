@@ -111,6 +111,7 @@ struct attn_prefill {
     bool rescale_o;         // whether any row's is not 1 (warp-uniform; see tk::attn::RESCALE_THRESHOLD)
     const kv_tile* v_prev;  // that tile's V: its stage stays held until the current compute returns
     int q_phase;
+    int seen_lo, seen_hi;   // serial: the task's tiles [seen_lo, seen_hi) hold keys this consumer's rows see
   };
   struct task_t {
     int b, h, qb, q0, lq, k0, lk, lo, first, iters;  // lo: the first key any of the task's queries sees
@@ -162,16 +163,22 @@ struct attn_prefill {
     t.lk = g.seqused_k ? g.seqused_k[t.b] : g.cu_k[t.b + 1] - g.cu_k[t.b];
     t.k0 = g.paged ? 0 : g.cu_k[t.b];
     t.valid = t.qb * BQ < t.lq;
-    const int offset = t.lk - t.lq;  // bottom-right alignment
-    const int row_lo = t.qb * BQ, row_hi = min(t.lq, row_lo + BQ) - 1;
-    int begin = 0, end = t.lk;
-    if (g.window_left >= 0) begin = max(0, row_lo + offset - g.window_left);
-    if (g.causal) end = min(end, row_hi + offset + 1);
-    if (g.window_right >= 0) end = min(end, row_hi + offset + g.window_right + 1);
+    const auto [begin, end] = key_range(g, t, t.qb * BQ, BQ);
     t.lo = begin;
     t.first = begin / KV;
     t.iters = (t.valid && end > begin) ? SLOTS * (ceil_div(end, KV) - t.first) : 0;
     return t;
+  }
+  struct keys_t { int begin, end; };
+  // The keys queries row_lo .. row_lo + rows - 1 of a task's sequence see (those past its end see none).
+  __device__ static keys_t key_range(const globals& g, const task_t& t, int row_lo, int rows) {
+    const int offset = t.lk - t.lq;  // bottom-right alignment
+    const int row_hi = min(t.lq, row_lo + rows) - 1;
+    int begin = 0, end = t.lk;
+    if (g.window_left >= 0) begin = max(0, row_lo + offset - g.window_left);
+    if (g.causal) end = min(end, row_hi + offset + 1);
+    if (g.window_right >= 0) end = min(end, row_hi + offset + g.window_right + 1);
+    return {begin, end};
   }
 
   // Slot `it`: K/V tile it (a pair), or staggered K (even slot) or V (odd) of tile it / 2.
@@ -268,6 +275,14 @@ struct attn_prefill {
       s.q_phase ^= 1;
     }
     if constexpr (serial) {
+      s.seen_lo = s.seen_hi = 0;
+      if (!idle(t, wg)) {
+        const auto [begin, end] = key_range(g, t, t.qb * BQ + wg * QROWS, QROWS);
+        if (end > begin) {
+          s.seen_lo = begin / KV - t.first;
+          s.seen_hi = ceil_div(end, KV) - t.first;
+        }
+      }
       serial_tile(s, in, scratch, g, t, 0, wg);
       return;
     }
@@ -289,7 +304,7 @@ struct attn_prefill {
                                      const task_t& t, int it, int wg) {
     s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
-    if (idle(t, wg)) {  // keeps its turn, skips the work
+    if (it < s.seen_lo || it >= s.seen_hi) {  // none of its rows sees this tile: keeps its turn, skips the work
       warpgroup::arrive_at(next_turn(wg), BOTH);
       return;
     }
@@ -306,7 +321,10 @@ struct attn_prefill {
     warpgroup::mma_async_wait<0>();
   }
   // Serial order: a consumer whose 64 rows all lie past the sequence's end (the last query block of a
-  // sequence that is not a multiple of 192 long) loads and computes nothing. (The overlapped order computes
+  // sequence that is not a multiple of 192 long) loads and computes nothing. Nor does one whose rows see none
+  // of a tile's keys (seen_lo / seen_hi): the task's tiles cover its 192 rows' keys, and under a causal mask
+  // the first consumer's rows end 128 keys before the last's, so its last tile is often all masked (a
+  // window's first tiles likewise). (The overlapped order computes
   // them: its products and the pipeline's release points would need a branch around the wgmma.)
   __device__ static bool idle(const task_t& t, int wg) { return serial && t.qb * BQ + wg * QROWS >= t.lq; }
   __device__ static void zero_tail(const kv_tile* v, const task_t& t, int wg) {
