@@ -388,7 +388,7 @@ struct attn_prefill {
         tma::store_commit_group();
       }
     } else {  // the sequence ends inside this tile: write its rows only
-      warpgroup::store(g.o, s.o, {.d = t.h, .row = t.q0 + r0}, long(t.q0) + t.lq);
+      warpgroup::store_each(g.o, s.o, {.d = t.h, .row = t.q0 + r0}, long(t.q0) + t.lq);  // see store_each
     }
   }
 };
