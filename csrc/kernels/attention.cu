@@ -321,11 +321,11 @@ struct attn_prefill {
     warpgroup::mma_async_wait<0>();
   }
   // Serial order: a consumer whose 64 rows all lie past the sequence's end (the last query block of a
-  // sequence that is not a multiple of 192 long) loads and computes nothing. Nor does one whose rows see none
-  // of a tile's keys (seen_lo / seen_hi): the task's tiles cover its 192 rows' keys, and under a causal mask
-  // the first consumer's rows end 128 keys before the last's, so its last tile is often all masked (a
-  // window's first tiles likewise). (The overlapped order computes
-  // them: its products and the pipeline's release points would need a branch around the wgmma.)
+  // sequence that is not a multiple of 192 long) loads and computes nothing, and one skips the tiles none of
+  // its rows sees (seen_lo / seen_hi): a task's tiles cover all 192 rows' keys, and under a causal mask the
+  // first consumer's rows end 128 keys before the last's, so its last tile is often all masked (a window's
+  // first tiles likewise). The overlapped order computes both: its products and the pipeline's release points
+  // would need a branch around the wgmma.
   __device__ static bool idle(const task_t& t, int wg) { return serial && t.qb * BQ + wg * QROWS >= t.lq; }
   __device__ static void zero_tail(const kv_tile* v, const task_t& t, int wg) {
     const int tail = t.lk - (t.first + t.iters / SLOTS - 1) * KV;
