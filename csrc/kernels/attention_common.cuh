@@ -2,6 +2,7 @@
 // softmax step over one score tile.
 #pragma once
 #include <cfloat>
+#include <climits>
 #include "../kittens/kittens.cuh"
 
 namespace tk::attn {
@@ -19,10 +20,14 @@ struct visibility {
   bool causal;
 
   __device__ __forceinline__ int query(int row) const { return Packed ? row / per_query : row; }
-  __device__ __forceinline__ bool operator()(int row, int c) const {
-    const int q = query(row);  // & not &&: evaluated per score element, so no branch per element
-    return (c < lk) & (!causal | (c <= q + offset)) & ((left < 0) | (c >= q + offset - left)) &
-           ((right < 0) | (c <= q + offset + right));
+  // The keys row sees, [lo, hi] (empty when hi < lo): c < lk; c <= q + offset when causal; and
+  // q + offset - left <= c <= q + offset + right for the bounds of the window that are set.
+  __device__ __forceinline__ void keys(int row, int& lo, int& hi) const {
+    const int q = query(row) + offset;
+    hi = lk - 1;
+    if (causal) hi = min(hi, q);
+    if (right >= 0) hi = min(hi, q + right);
+    lo = left >= 0 ? q - left : INT_MIN / 2;
   }
   // Does the tile [row0, row0 + rows) x [col0, col0 + cols) hide any key from any of its rows?
   __device__ __forceinline__ bool partial(int row0, int rows, int col0, int cols) const {
@@ -65,7 +70,8 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
     const float k = 2.f * sc.scale_log2 / sc.softcap, cap = sc.softcap, two_cap = 2.f * sc.softcap;
     map(att, att, [k, cap, two_cap](float x) { return cap - __fdividef(two_cap, 1.f + fast_exp2(x * k)); });
   }
-  if (vis.partial(row0, S::rows, col0, S::cols)) mask(att, att, row0, col0, vis, -INFINITY);
+  if (vis.partial(row0, S::rows, col0, S::cols))
+    mask_cols(att, att, row0, col0, [&vis](int row, int& lo, int& hi) { vis.keys(row, lo, hi); }, -INFINITY);
   const float es = sc.exp_scale();
   V m_new, base;
   row_max(m_new, att, m);

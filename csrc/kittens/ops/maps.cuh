@@ -271,6 +271,35 @@ __device__ __forceinline__ void mask(D& dst, const D& src, int row0, int col0, K
         dst.data[i][j][k] = convert<typename D::T2>(x);
       }
 }
+// dst = src where the element's column lies in its row's kept interval, fill_value elsewhere: for masks that
+// keep an interval of each row (causal, windows, a sequence's end). range(row, lo, hi) gives the interval
+// [lo, hi] of a row (positions offset by (row0, col0) as in mask), once a row; each element is then compared
+// against a compile-time offset from its lane's first column, where mask evaluates keep per element.
+template <register_tile D, typename Range>
+__device__ __forceinline__ void mask_cols(D& dst, const D& src, int row0, int col0, Range range, float fill_value) {
+  static_assert(std::is_same_v<typename D::layout, row_l>, "row-layout tiles (a lane holds pairs of a row)");
+  using F = frag<row_l>;
+  const int lane_col = col0 + F::col(0, 0);
+#pragma unroll
+  for (int i = 0; i < D::height; i++)
+#pragma unroll
+    for (int half = 0; half < 2; half++) {  // fragment values k = half, half + 2 hold row lane / 4 (+ 8)
+      int lo, hi;
+      range(row0 + 16 * i + F::row(half, 0), lo, hi);
+      lo -= lane_col;
+      hi -= lane_col;
+#pragma unroll
+      for (int j = 0; j < D::width; j++)
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+          const int k = half + 2 * kk, c = 16 * j + 8 * kk;  // the lane's first column of the pair, less lane_col
+          float2 x = convert<float2>(src.data[i][j][k]);
+          if (c < lo || c > hi) x.x = fill_value;
+          if (c + 1 < lo || c + 1 > hi) x.y = fill_value;
+          dst.data[i][j][k] = convert<typename D::T2>(x);
+        }
+    }
+}
 // Lower triangle (col - row <= diagonal) kept, the rest set to fill_value: the causal mask.
 template <register_tile D>
 __device__ __forceinline__ void tril(D& dst, const D& src, int row0, int col0, int diagonal, float fill_value) {
