@@ -42,11 +42,13 @@ struct attn_prefill {
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
   // release order): K_j goes back as soon as S_j = Q K_j^T has run, V_j once P_j V_j has, so the producer
   // refills a K slot half a tile earlier, and 4 slots of 80 rows (2 K/V tiles) fit where coupled pairs
-  // would have to be 48 rows to keep 3 of them. (Staggered slots with main's tiles measured 1-4% slower at
-  // D=64 and 44% slower paged at D=128, so the smaller head dims keep their pairs.)
-  static constexpr bool staggered = D == 256;
+  // would have to be 48 rows to keep 3 of them. D=128 with two consumers (causal over <= 1024 keys) staggers
+  // 4 slots of 128 rows, FA3's hdim-128 layout, with queries ahead: causal n=1024 0.960 of coupled pairs without
+  // queries ahead (session 21; 6 slots with the queries' own buffer 0.992). (Staggered slots with main's tiles
+  // measured 1-4% slower at D=64 and 44% slower paged at D=128 with three consumers, which keep their pairs.)
+  static constexpr bool staggered = D == 256 || (D == 128 && C == 2);
   static constexpr int KV = D == 256 ? 80 : 128;
-  static constexpr int stages = D == 128 ? (serial ? 2 : 3) : 4;
+  static constexpr int stages = D == 128 ? (serial ? 2 : staggered ? 4 : 3) : 4;
   static constexpr int SLOTS = staggered ? 2 : 1;  // ring slots a K/V tile takes
   static constexpr int PAGE_PIECE = 16;
   using q_tile = st<T, QROWS, D>;
@@ -81,15 +83,16 @@ struct attn_prefill {
     if constexpr (staggered) return &(&in)[1].kv;  // the ring slot after K_j's
     else return &in.v;
   }
-  // Queries ahead (D=64): the producer loads each consumer's queries (load_task_inputs) once the consumer has run
-  // its last S = Q K^T of the task before (q_free), so they arrive under that task's last softmax, P V and
-  // output, and the output is staged in a buffer of its own on the way to its TMA store. Otherwise a consumer
-  // loads its queries as it starts a task and stages the output in their buffer. Same-call A/B on the H200
-  // (session 14), ahead over own: D=64 n=1024 / 4096 full 0.973 / 0.979, causal 0.918 / 0.968, n=16384
-  // 0.996-0.998. At D=128 (three consumers: the second buffers fill shared memory to 224 KB) n=1024 full 0.971
-  // and paged 0.96-0.97, but n=4096 / 16384 full 1.023 / 1.011 and, with claimed tasks (the producer then
-  // spills ~250 bytes), causal 1.016-1.048; D=128 with two consumers and D=256 have no room for the buffers.
-  static constexpr bool q_ahead = D == 64;
+  // Queries ahead (D=64, and D=128 with two consumers): the producer loads each consumer's queries (load_task_inputs)
+  // once the consumer has run its last S = Q K^T of the task before (q_free), so they arrive under that task's last
+  // softmax, P V and output, and the output is staged in a buffer of its own on the way to its TMA store. Otherwise a
+  // consumer loads its queries as it starts a task and stages the output in their buffer. Same-call A/B on the H200
+  // (session 14), ahead over own: D=64 n=1024 / 4096 full 0.973 / 0.979, causal 0.918 / 0.968, n=16384 0.996-0.998. At
+  // D=128 (three consumers: the second buffers fill shared memory to 224 KB) n=1024 full 0.971 and paged 0.96-0.97,
+  // but n=4096 / 16384 full 1.023 / 1.011 and, with claimed tasks (the producer then spills ~250 bytes), causal
+  // 1.016-1.048; so of D=128 only the two-consumer kernel (staggered, see above) has them. D=256 has no room for the
+  // buffers.
+  static constexpr bool q_ahead = D == 64 || (D == 128 && C == 2);
   static_assert(!q_ahead || stages * sizeof(input_block) + 2 * consumers * sizeof(q_tile) <= 224 * 1024);
   struct scratch_ahead {
     q_tile q[consumers], o[consumers];
@@ -313,7 +316,7 @@ struct attn_prefill {
     warpgroup::mma_async_wait<0>();
     free_queries(scratch, t, it, wg);
     softmax(s, att, g, t, it, wg);
-    mul_row(s.o, s.o, s.rescale);
+    if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     rt<T, 16, KV> p;
     copy(p, att);
     if (it == t.iters - 1) zero_tail(v_of(in), t, wg);
@@ -336,7 +339,7 @@ struct attn_prefill {
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
     const tk::attn::visibility<> vis{t.lk, t.lk - t.lq, g.window_left, g.window_right, 1, bool(g.causal)};
-    s.rescale_o = tk::attn::online_softmax<!serial>(att, s.m, s.l, s.rescale, scoring(g), vis,
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims)>(att, s.m, s.l, s.rescale, scoring(g), vis,
                              t.qb * BQ + wg * QROWS + warpgroup::warp() * 16, (t.first + it) * KV);
   }
 

@@ -48,8 +48,10 @@ struct scoring {
 // this many powers of two. Probabilities then reach at most 2^8 (fine in fp32 sums and in bf16 / fp16 P), and on
 // most tiles no row's max moves, so the output skips its rescale (a multiply per accumulator). Same-call A/B on the
 // H200 (session 19), lazy over eager: D=256 0.94-0.96, D=64 0.98-0.99, D=128 causal n=1024 (two consumers) 0.99.
-// Prefill's serial kernel (three consumers at D=128) stays eager: at 160 registers, the branch around o's
-// multiply made its claimed-task variant spill 80-108 bytes in the consumer loop.
+// Prefill's serial kernel (three consumers at D=128) is lazy only in its strided variant (full masks, paged K/V:
+// session 21, paged 0.962-0.967, full n=1024-16384 0.996-1.009); at 160 registers, the branch around o's
+// multiply makes the claimed-task variant spill 80-128 bytes in the consumer loop, so that one stays eager.
+// Decode is lazy too (session 21: 0.976-1.004, most cases 0.98-0.99).
 inline constexpr float RESCALE_THRESHOLD = 8.f;
 
 // One online-softmax step on a warp's score tile `att` whose first row / column are row0 / col0:

@@ -155,6 +155,7 @@ struct attn_decode_split {
     rt_fl<16, D> o;
     rt<T, 16, KV> p;
     row_vec m, l, rescale;
+    bool rescale_o;  // whether o must take `rescale` (lazy rescaling: no row's max moved, see RESCALE_THRESHOLD)
     const kv_tile* v_prev;
   };
   struct task_t { int item, b, h, start, end, base, len, iters; };
@@ -229,8 +230,8 @@ struct attn_decode_split {
   }
 
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it) {
-    tk::attn::online_softmax(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t), warpgroup::warp() * 16,
-                             t.base + it * KV);
+    s.rescale_o = tk::attn::online_softmax<true>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t),
+                                                 warpgroup::warp() * 16, t.base + it * KV);
   }
 
   __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
@@ -250,7 +251,7 @@ struct attn_decode_split {
                                  const task_t& t, int it, int) {
     s_tile att;
     warpgroup::mm_ABt(att, scratch.q, in.k);
-    mul_row(s.o, s.o, s.rescale);
+    if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::mma_async_wait<1>();
     softmax(s, att, g, t, it);
@@ -265,7 +266,7 @@ struct attn_decode_split {
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int) {
     const int tail = t.end - (t.base + (t.iters - 1) * KV);
     if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1);
-    mul_row(s.o, s.o, s.rescale);
+    if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);
   }
