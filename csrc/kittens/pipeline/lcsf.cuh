@@ -30,6 +30,8 @@
 //   static void load_task_inputs(scratch_block&, const globals&, const task_t&) (the producer's thread, once a task
 //   with stages has sent for its first: inputs a task reads throughout, kept in scratch rather than the ring,
 //   e.g. the attention kernel's queries; the policy hands the buffers back and forth with its own semaphores).
+//   static constexpr bool prefetch_task (strided or task_range walks): each consumer reads task(next id) before it
+//   runs the current one, so that the next task's metadata loads are in flight during this task's work.
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
 //   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
 //
@@ -112,6 +114,10 @@ template <typename K> consteval bool early_next() {
 }
 template <typename K> consteval bool dynamic_tasks() {
   if constexpr (requires { K::dynamic; }) return K::dynamic;
+  else return false;
+}
+template <typename K> consteval bool prefetch_tasks() {
+  if constexpr (requires { K::prefetch_task; }) return K::prefetch_task;
   else return false;
 }
 // The task after `id` in a CTA's walk: K::next_task where the policy has one (its work list skips), else id + step.
@@ -262,8 +268,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       if (steps > 0) release(b);
       K::finish(state, smem.scratch, g, t, role);
     };
-    auto run_task = [&](int id) {
-      const typename K::task_t t = K::task(g, id, rank);
+    auto run_task = [&](const typename K::task_t& t) {
       if constexpr (staggered_pairs<K>()) {
         run_staggered(t);
         return t;
@@ -305,10 +310,24 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         if (laneid() == 0) arrive(feed_empty[slot]);
         if (++slot == 2) slot = 0, feed_phase ^= 1;
         if (id >= num_tasks) break;
-        run_task(id);
+        run_task(K::task(g, id, rank));
+      }
+    } else if constexpr (prefetch_tasks<K>()) {
+      // The next task is read (its loads of sequence lengths and the like issued) before this one runs, so
+      // that their latency passes under this task's work instead of heading the next one's.
+      if (first < num_tasks) {
+        typename K::task_t t = K::task(g, first, rank);
+        for (int id = first;;) {
+          const int next = next_id<K>(g, t, id, step);
+          const typename K::task_t ahead = K::task(g, next < num_tasks ? next : id, rank);
+          run_task(t);
+          if (next >= num_tasks) break;
+          t = ahead;
+          id = next;
+        }
       }
     } else {
-      for (int id = first; id < num_tasks;) id = next_id<K>(g, run_task(id), id, step);
+      for (int id = first; id < num_tasks;) id = next_id<K>(g, run_task(K::task(g, id, rank)), id, step);
     }
     // Shared memory must outlive pending stores. Bulk-store groups belong to the thread that committed them,
     // and kernels issue from one lane of any warp (the GEMM's per-warp epilogue): each warp's lane 0 waits.
