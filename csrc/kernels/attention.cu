@@ -37,7 +37,9 @@ struct attn_prefill {
   // at n <= 4096 with two consumers 1.01-1.05, D=64 with three 1.02-1.06, and paged K/V with three 1.065:
   // those keep the stride order. (Beside three consumers the claim loop makes the producer spill 24 bytes.)
   static constexpr bool dynamic = Claims;
-  static constexpr bool prefetch_task = !Claims;  // consumers read a task's metadata one task ahead (lcsf)
+  // Consumers read the next task (cu_seqlens and the like) one task ahead (lcsf). Same-call A/B (session 21), the
+  // time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; D=256 full 0.979-0.992 (noise?).
+  static constexpr bool prefetch_task = !Claims;
   static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
