@@ -68,10 +68,15 @@ def reuse_extension(tree: Path) -> bool:
 
 
 def run_in(tree: Path, args: list[str], log: Path, timeout: int = 900) -> int:
+    """The command's exit status; 124 (as timeout(1) gives) when it ran past `timeout` seconds and was killed."""
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     with open(log, "a") as f:
-        return subprocess.run([sys.executable, *args], cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=timeout).returncode
+        try:
+            return subprocess.run([sys.executable, *args], cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"\nkilled after {timeout} s\n")
+            return 124
 
 
 def rows(path: Path) -> dict[tuple[str, str], dict[str, float]]:
@@ -126,6 +131,9 @@ def main() -> int:
     parser.add_argument("--test", action="append", default=[], help="pytest files each variant must pass first")
     parser.add_argument("--test-for", action="append", default=[], metavar="NAME=PYTEST_FILE",
                         help="a pytest file only variant NAME must pass first")
+    parser.add_argument("--test-timeout", type=int, default=240,
+                        help="seconds a variant's test file may run: past it (a kernel that hangs, e.g. on a "
+                             "semaphore) the variant counts as failed and the others go on, within the call's limit")
     parser.add_argument("--root", type=Path, default=Path("/tmp/ab"))
     parser.add_argument("--rounds", type=int, default=1,
                         help="time base, variants, base ... this many times over (short kernels whose time is "
@@ -168,7 +176,7 @@ def main() -> int:
         print(f"{n}: tk_backend from {found.stdout.strip() or found.stderr[-300:]}", flush=True)
     for n, tree in list(trees.items()):
         for test in tests_of.get(n, []):
-            rc = run_in(tree, ["-m", "pytest", "-q", "-x", test], out / f"test_{n}.log")
+            rc = run_in(tree, ["-m", "pytest", "-q", "-x", test], out / f"test_{n}.log", timeout=args.test_timeout)
             print(f"{n}: {test} rc={rc}", flush=True)
             if rc != 0:  # the why, here: the device call may not bring every log back
                 failed = [x for x in (out / f"test_{n}.log").read_text().splitlines() if x.strip()]

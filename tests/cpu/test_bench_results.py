@@ -174,6 +174,44 @@ def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypat
     assert len(report) == 2
 
 
+def test_ab_run_in_kills_a_command_past_its_timeout(tmp_path):
+    """A hung test (a kernel waiting on a semaphore forever) must not take the whole GPU call with it."""
+    import ab
+
+    log = tmp_path / "t.log"
+    assert ab.run_in(tmp_path, ["-c", "import time; time.sleep(30)"], log, timeout=1) == 124
+    assert "killed after 1 s" in log.read_text()
+    assert ab.run_in(tmp_path, ["-c", "raise SystemExit(3)"], log, timeout=30) == 3
+
+
+def test_ab_drops_a_variant_whose_test_times_out(tmp_path, monkeypatch):
+    import ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    benched, timeouts = [], []
+
+    def fake_run(tree, args, log, timeout=900):
+        if args[0] == "-m":  # pytest: the "hung" variant's test runs past its limit
+            timeouts.append(timeout)
+            log.write_text(f"killed after {timeout} s\n" if tree.name == "hung" else "1 passed\n")
+            return 124 if tree.name == "hung" else 0
+        benched.append(tree.name if tree != ab.REPO else "BASE")
+        _write_bench_rows(args, 1.0 if tree == ab.REPO else 0.9)
+        return 0
+
+    monkeypatch.setattr(ab, "run_in", fake_run)
+    patches = tmp_path / "patches"
+    _patches_adding_a_file_each(patches, ("hung", "fine"))
+    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'hung.patch'}=gemm", f"{patches / 'fine.patch'}=gemm",
+                                      "--test", "tests/gpu/test_gemm.py", "--test-timeout", "77",
+                                      "--root", str(tmp_path / "trees")])
+    assert ab.main() == 0
+    assert timeouts == [77, 77]
+    assert benched == ["BASE", "fine", "BASE"]
+
+
 def test_profile_serve_summary_splits_gpu_time(tmp_path):
     """scripts/profile_serve.py's reading of a torch-profiler trace: busy = union of kernel intervals."""
     import json
