@@ -60,8 +60,10 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // turns att into unnormalised probabilities and leaves in `rescale` the factor the output accumulated so
 // far must take. m is kept in score units; a row that has seen no key yet keeps m = -inf. Lazy: m moves only
 // past RESCALE_THRESHOLD, and the result says whether any row of the warp has a rescale other than exactly 1
-// (warp-uniform: if not, the output may skip its multiply); otherwise it is true.
-template <bool Lazy = false, typename S, typename V, typename Visibility>
+// (warp-uniform: if not, the output may skip its multiply); otherwise it is true. RowSlots: the row slots of the
+// tile that hold live rows (1: only rows lane / 4, the first 8 of the 16, as decode's packed queries of a small
+// group); the others are left as they are (their m stays -inf and l 0), so their scores must be finite.
+template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0) {
   using namespace kittens;
@@ -73,10 +75,10 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
     map(att, att, [k, cap, two_cap](float x) { return cap - __fdividef(two_cap, 1.f + fast_exp2(x * k)); });
   }
   if (vis.partial(row0, S::rows, col0, S::cols))
-    mask_cols(att, att, row0, col0, [&vis](int row, int& lo, int& hi) { vis.keys(row, lo, hi); }, -INFINITY);
+    mask_cols<RowSlots>(att, att, row0, col0, [&vis](int row, int& lo, int& hi) { vis.keys(row, lo, hi); }, -INFINITY);
   const float es = sc.exp_scale();
   V m_new, base;
-  row_max(m_new, att, m);
+  row_max<RowSlots>(m_new, att, m);
   bool moved = false;  // Lazy: whether any of this lane's rows moved its max
   if constexpr (Lazy) {
     // The old max stays unless the new one passes it by the threshold (-inf - -inf is NaN: a row still masked
@@ -98,9 +100,9 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
     map(rescale, m, base, [es](float x, float b) { return fast_exp2(x * es - b); });
     copy(m, m_new);
   }
-  map_row(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
+  map_row<RowSlots>(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
   map(l, l, rescale, [](float x, float r) { return x * r; });
-  row_sum_share(l, att, l);  // l in shares: the lanes of a row are combined once, in finalize
+  row_sum_share<RowSlots>(l, att, l);  // l in shares: the lanes of a row are combined once, in finalize
   if constexpr (Lazy) return __any_sync(0xffffffffu, moved);
   else return true;
 }

@@ -229,9 +229,21 @@ struct attn_decode_split {
     warpgroup::sync(1);
   }
 
+  // Only the packed rows q_len * group hold queries (4 or 8 of the 64 at q_len 1 and GQA groups of 4 / 8): a warp
+  // with none skips the softmax (its zero queries' scores stay 0, so P = 0 and o stays 0: never written out),
+  // and one with at most 8 works on the first 8 of its 16 rows (the other 8 scores stay 0 likewise).
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it) {
-    s.rescale_o = tk::attn::online_softmax<true>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t),
-                                                 warpgroup::warp() * 16, t.base + it * KV);
+    const int row0 = warpgroup::warp() * 16, live = g.q_len * g.group - row0;
+    if (live <= 0) {
+      s.rescale_o = false;
+      return;
+    }
+    if (live <= 8)
+      s.rescale_o = tk::attn::online_softmax<true, 1>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t), row0,
+                                                      t.base + it * KV);
+    else
+      s.rescale_o = tk::attn::online_softmax<true>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t), row0,
+                                                   t.base + it * KV);
   }
 
   __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,

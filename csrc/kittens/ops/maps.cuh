@@ -139,7 +139,10 @@ template <register_vector V> __device__ __forceinline__ void copy(V& d, const V&
 namespace detail {
 // out = reduce over rows (AlongRows: one result per row) or columns of t, folded into init if given. Without
 // AcrossLanes each lane keeps its own share (the lanes holding one row or column are not combined).
-template <bool AlongRows, typename Op, register_tile RT, register_vector V, bool AcrossLanes = true>
+// RowSlots (along rows): a mask of the per-row vector's slots to reduce; the others keep Op's identity (folded
+// into init) without reading the tile.
+template <bool AlongRows, typename Op, register_tile RT, register_vector V, bool AcrossLanes = true,
+          unsigned RowSlots = ~0u>
 __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
   using F = frag<typename RT::layout>;
   static_assert(V::length == (AlongRows ? RT::rows : RT::cols) &&
@@ -160,6 +163,7 @@ __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
           const int b = AlongRows ? i : j, s = AlongRows ? F::row_slot(k, e) : F::col_slot(k, e);
+          if (AlongRows && !((RowSlots >> s) & 1)) continue;
           acc[b][s] = Op::apply(acc[b][s], e ? v.y : v.x);
         }
       }
@@ -169,7 +173,7 @@ __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
   for (int b = 0; b < V::blocks; b++)
 #pragma unroll
     for (int s = 0; s < V::per_lane; s++) {
-      if constexpr (AcrossLanes)
+      if (AcrossLanes && (!AlongRows || ((RowSlots >> s) & 1)))
 #pragma unroll
         for (int m = lo; m <= hi; m <<= 1) acc[b][s] = Op::apply(acc[b][s], __shfl_xor_sync(0xffffffffu, acc[b][s], m));
       const float folded = init ? Op::apply(convert<float>(init->data[b][s]), acc[b][s]) : acc[b][s];
@@ -177,10 +181,12 @@ __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
     }
 }
 
-// dst = f(src, v) with v the vector entry of the element's row (AlongRows) or column.
-template <bool AlongRows, register_tile D, register_tile S, register_vector V, typename F>
+// dst = f(src, v) with v the vector entry of the element's row (AlongRows) or column. RowSlots (along rows): the
+// row slots to apply f to; the other elements are copied.
+template <bool AlongRows, register_tile D, register_tile S, register_vector V, typename F, unsigned RowSlots = ~0u>
 __device__ __forceinline__ void broadcast(D& dst, const S& src, const V& v, F f) {
   using Fr = frag<typename S::layout>;
+  auto live = [](int slot) { return !AlongRows || ((RowSlots >> slot) & 1); };
 #pragma unroll
   for (int i = 0; i < S::height; i++)
 #pragma unroll
@@ -189,19 +195,26 @@ __device__ __forceinline__ void broadcast(D& dst, const S& src, const V& v, F f)
       for (int k = 0; k < 4; k++) {
         float2 x = convert<float2>(src.data[i][j][k]);
         const int b = AlongRows ? i : j;
-        x.x = f(x.x, convert<float>(v.data[b][AlongRows ? Fr::row_slot(k, 0) : Fr::col_slot(k, 0)]));
-        x.y = f(x.y, convert<float>(v.data[b][AlongRows ? Fr::row_slot(k, 1) : Fr::col_slot(k, 1)]));
+        const int s0 = AlongRows ? Fr::row_slot(k, 0) : Fr::col_slot(k, 0);
+        const int s1 = AlongRows ? Fr::row_slot(k, 1) : Fr::col_slot(k, 1);
+        if (live(s0)) x.x = f(x.x, convert<float>(v.data[b][s0]));
+        if (live(s1)) x.y = f(x.y, convert<float>(v.data[b][s1]));
         dst.data[i][j][k] = convert<typename D::T2>(x);
       }
 }
 }  // namespace detail
 
+// Row reductions take an optional RowSlots: the per-row vector slots to reduce (e.g. 1: of a row-layout tile the
+// rows lane / 4 of each 16-row block, i.e. its first 8 rows), the others left at the identity, folded into init.
 #define TK_REDUCTION(name, along_rows, Op)                                                                        \
-  template <register_vector V, register_tile RT> __device__ __forceinline__ void name(V& out, const RT& t) {      \
-    detail::reduce<along_rows, Op>(out, t, static_cast<const V*>(nullptr));                                       \
+  template <unsigned RowSlots = ~0u, register_vector V, register_tile RT>                                         \
+  __device__ __forceinline__ void name(V& out, const RT& t) {                                                     \
+    detail::reduce<along_rows, Op, RT, V, true, RowSlots>(out, t, static_cast<const V*>(nullptr));                \
   }                                                                                                               \
-  template <register_vector V, register_tile RT>                                                                  \
-  __device__ __forceinline__ void name(V& out, const RT& t, const V& init) { detail::reduce<along_rows, Op>(out, t, &init); }
+  template <unsigned RowSlots = ~0u, register_vector V, register_tile RT>                                         \
+  __device__ __forceinline__ void name(V& out, const RT& t, const V& init) {                                      \
+    detail::reduce<along_rows, Op, RT, V, true, RowSlots>(out, t, &init);                                         \
+  }
 TK_REDUCTION(row_max, true, op::max)
 TK_REDUCTION(row_min, true, op::min)
 TK_REDUCTION(row_sum, true, op::add)
@@ -213,9 +226,9 @@ TK_REDUCTION(col_sum, false, op::add)
 // Row sums in shares: each lane adds only its own columns of each row (folded into its share in init), no
 // exchange between the lanes that hold a row. A running sum kept this way (online softmax's) is combined
 // once, by lanes_row_sum, instead of at every tile.
-template <register_vector V, register_tile RT>
+template <unsigned RowSlots = ~0u, register_vector V, register_tile RT>
 __device__ __forceinline__ void row_sum_share(V& out, const RT& t, const V& init) {
-  detail::reduce<true, op::add, RT, V, false>(out, t, &init);
+  detail::reduce<true, op::add, RT, V, false, RowSlots>(out, t, &init);
 }
 // out = the full row sums from the lanes' shares in v, for vectors of tiles shaped like RT.
 template <register_tile RT, register_vector V> __device__ __forceinline__ void lanes_row_sum(V& out, const V& v) {
@@ -232,8 +245,10 @@ template <register_tile RT, register_vector V> __device__ __forceinline__ void l
 }
 
 // dst = f(src, v[row]) / f(src, v[col]): any fused per-row or per-column update in one pass.
-template <register_tile D, register_tile S, register_vector V, typename F>
-__device__ __forceinline__ void map_row(D& dst, const S& src, const V& v, F f) { detail::broadcast<true>(dst, src, v, f); }
+template <unsigned RowSlots = ~0u, register_tile D, register_tile S, register_vector V, typename F>
+__device__ __forceinline__ void map_row(D& dst, const S& src, const V& v, F f) {
+  detail::broadcast<true, D, S, V, F, RowSlots>(dst, src, v, f);
+}
 template <register_tile D, register_tile S, register_vector V, typename F>
 __device__ __forceinline__ void map_col(D& dst, const S& src, const V& v, F f) { detail::broadcast<false>(dst, src, v, f); }
 
@@ -275,7 +290,7 @@ __device__ __forceinline__ void mask(D& dst, const D& src, int row0, int col0, K
 // keep an interval of each row (causal, windows, a sequence's end). range(row, lo, hi) gives the interval
 // [lo, hi] of a row (positions offset by (row0, col0) as in mask), once a row; each element is then compared
 // against a compile-time offset from its lane's first column, where mask evaluates keep per element.
-template <register_tile D, typename Range>
+template <unsigned RowSlots = ~0u, register_tile D, typename Range>
 __device__ __forceinline__ void mask_cols(D& dst, const D& src, int row0, int col0, Range range, float fill_value) {
   static_assert(std::is_same_v<typename D::layout, row_l>, "row-layout tiles (a lane holds pairs of a row)");
   using F = frag<row_l>;
@@ -284,6 +299,14 @@ __device__ __forceinline__ void mask_cols(D& dst, const D& src, int row0, int co
   for (int i = 0; i < D::height; i++)
 #pragma unroll
     for (int half = 0; half < 2; half++) {  // fragment values k = half, half + 2 hold row lane / 4 (+ 8)
+      if (!((RowSlots >> half) & 1)) {  // a row slot left out: copied
+#pragma unroll
+        for (int j = 0; j < D::width; j++) {
+          dst.data[i][j][half] = src.data[i][j][half];
+          dst.data[i][j][half + 2] = src.data[i][j][half + 2];
+        }
+        continue;
+      }
       int lo, hi;
       range(row0 + 16 * i + F::row(half, 0), lo, hi);
       lo -= lane_col;
