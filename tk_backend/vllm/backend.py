@@ -217,6 +217,14 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         # vLLM's window w lets a query see itself and the w - 1 keys before it.
         self.window_size = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         self.softcap = float(logits_soft_cap) if logits_soft_cap else 0.0
+        self._views_of: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_cache_views of this layer's cache, made once: vLLM passes the same tensor every step, and eager
+        steps (mixed batches) pay for every host-side op of every layer."""
+        if self._views_of is None or self._views_of[0] is not kv_cache:
+            self._views_of = (kv_cache, kv_cache_views(kv_cache, self.head_size))
+        return self._views_of[1]
 
     def do_kv_cache_update(
         self,
@@ -226,7 +234,7 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        key_cache, value_cache = kv_cache_views(kv_cache, self.head_size)
+        key_cache, value_cache = self._cache_views(kv_cache)
         # key/value may hold padding rows past the real tokens: the op writes slot_mapping.shape[0] of them.
         reshape_and_cache_flash(
             key, value, key_cache, value_cache, slot_mapping, self.kv_cache_dtype, layer._k_scale, layer._v_scale
@@ -250,7 +258,7 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         if attn_metadata is None:  # memory-profiling run: no metadata, no cache
             return output.fill_(0)
         md = attn_metadata
-        key_cache, value_cache = kv_cache_views(kv_cache, self.head_size)
+        key_cache, value_cache = self._cache_views(kv_cache)
         rows = md.decode_batch * md.decode_query_len
         table = step_block_table(md.block_table, md.max_seq_len, key_cache.shape[1])
         if md.is_uniform_decode and query.shape[0] >= rows:
