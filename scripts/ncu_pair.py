@@ -9,6 +9,8 @@
                                                                # (n4096, dstate 64) vs its serving case (dstate 128)
     python3 scripts/ncu_pair.py decode [B CTX HQ HKV D PAGE]   # tk's split-KV decode kernel vs FA3's (page_table),
                                                                # shuffled pages (default 8 8192 32 8 128 16)
+    python3 scripts/ncu_pair.py decode ... --peer vllm_fa3     # ... vs vLLM's FA3 build as its FLASH_ATTN backend
+                                                               # calls it (scheduler metadata, 32 splits; needs vLLM)
 
 Each side runs under `ncu --csv --page details` on its own process (skipping warm-up launches) and the table
 lists every metric both report, so what limits tk (tensor pipe, issue stalls, memory, occupancy) reads off
@@ -101,6 +103,15 @@ seqlens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
 q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
 if {side!r} == "tk":
     call = lambda: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table)
+elif {side!r} == "vllm_fa3":  # as scripts/benches/decode.py's vllm_fa3 impl
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    meta = get_scheduler_metadata(batch_size=b, max_seqlen_q=1, max_seqlen_k=ctx, num_heads_q=hq, num_heads_kv=hkv,
+                                  headdim=d, cache_seqlens=seqlens, qkv_dtype=q.dtype, cu_seqlens_q=cu_q,
+                                  page_size=page, causal=True, num_splits=32)
+    call = lambda: flash_attn_varlen_func(q.view(b, hq, d), k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q,
+                                          max_seqlen_k=ctx, seqused_k=seqlens, softmax_scale=d ** -0.5, causal=True,
+                                          block_table=table, scheduler_metadata=meta)
 else:
     import flash_attn_interface as fa3
     call = lambda: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True)
@@ -186,6 +197,7 @@ def main() -> int:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stalls", action="store_true", help="add the stall reasons (see STALLS)")
     parser.add_argument("--sass", action="store_true", help="tk's kernel alone: stall samples per instruction")
+    parser.add_argument("--peer", choices=["fa3", "vllm_fa3"], default="fa3", help="decode's peer (default fa3)")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "ncu"
     out.mkdir(parents=True, exist_ok=True)
@@ -200,7 +212,7 @@ def main() -> int:
     elif args.what == "decode":
         shape = tuple(args.shape) if len(args.shape) == 6 else (8, 8192, 32, 8, 128, 16)
         sides = {s: ([sys.executable, "-c", DECODE.format(repo=str(REPO), side=s, shape=shape)], regex)
-                 for s, regex in (("tk", "attn_decode_split"), ("fa3", "FlashAttnFwd"))}
+                 for s, regex in (("tk", "attn_decode_split"), (args.peer, "FlashAttnFwd"))}
     elif args.what == "ssd":
         sides = {s: ([sys.executable, "-c", SSD.format(repo=str(REPO), side=s)], "ssd_scan_kernel")
                  for s in ("paper", "serving")}

@@ -120,7 +120,7 @@ def _model(workdir: Path, preset: str) -> Path:
 
 
 TP1_ENGINES = (("FLASH_ATTN", 1), ("TRITON_ATTN", 1), ("TK", 1))
-TP2_ENGINES = (("FLASH_ATTN", 2), ("TRITON_ATTN", 2), ("TK", 2), ("TK", 1))
+TP2_ENGINES = (("FLASH_ATTN", 2), ("TRITON_ATTN", 2), ("TK", 2), ("TK", 1), ("FLASH_ATTN", 1))
 
 
 def _gpus() -> int:
@@ -160,9 +160,11 @@ def test_tk_agrees_with_flash_attn_at_least_as_well_as_triton(workdir, preset):
 def test_tensor_parallel_2_agrees_with_tp1_and_flash_attn(workdir, preset):
     _needs_gpus(2)
     model = _model(workdir, preset)
-    fa, triton, tk, tk_tp1 = _run(model, workdir / preset, *TP2_ENGINES)
+    fa, triton, tk, tk_tp1, fa_tp1 = _run(model, workdir / preset, *TP2_ENGINES)
     assert_agrees_like_yardstick((tk, fa), (triton, fa))
-    assert_agrees_like_yardstick((tk, tk_tp1), (triton, fa))
+    # TP 2 changes more than attention (the row-parallel layers' all-reduce sums in another order), so TK's
+    # TP 2 vs TP 1 is held to what the same change does to FLASH_ATTN.
+    assert_agrees_like_yardstick((tk, tk_tp1), (fa, fa_tp1))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
