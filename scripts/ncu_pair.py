@@ -111,7 +111,8 @@ elif {side!r} == "vllm_fa3":  # as scripts/benches/decode.py's vllm_fa3 impl
                                   page_size=page, causal=True, num_splits=32)
     call = lambda: flash_attn_varlen_func(q.view(b, hq, d), k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q,
                                           max_seqlen_k=ctx, seqused_k=seqlens, softmax_scale=d ** -0.5, causal=True,
-                                          block_table=table, scheduler_metadata=meta)
+                                          block_table=table, scheduler_metadata=meta,
+                                          num_splits=32, fa_version=3)
 else:
     import flash_attn_interface as fa3
     call = lambda: fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True)
