@@ -127,10 +127,11 @@ torch.cuda.synchronize()
 STALLS = r"regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$"
 
 
-def run_side(command: list[str], kernel_regex: str, label: str, out: Path, stalls: bool = False) -> dict[str, str]:
+def run_side(command: list[str], kernel_regex: str, label: str, out: Path, stalls: bool = False,
+             tables: bool = False) -> dict[str, str]:
     ncu = ["ncu", "--csv", "--page", "details", "--kernel-name-base", "demangled", "-k", f"regex:{kernel_regex}",
            "-s", "2", "-c", "1"]
-    for section in SECTIONS:
+    for section in SECTIONS + (["MemoryWorkloadAnalysis_Tables"] if tables else []):
         ncu += ["--section", section]
     if stalls:
         ncu += ["--metrics", STALLS]
@@ -199,6 +200,8 @@ def main() -> int:
     parser.add_argument("--stalls", action="store_true", help="add the stall reasons (see STALLS)")
     parser.add_argument("--sass", action="store_true", help="tk's kernel alone: stall samples per instruction")
     parser.add_argument("--peer", choices=["fa3", "vllm_fa3"], default="fa3", help="decode's peer (default fa3)")
+    parser.add_argument("--tables", action="store_true",
+                        help="add the memory tables (L1 / L2 / DRAM traffic and hit rates by kind of access)")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "ncu"
     out.mkdir(parents=True, exist_ok=True)
@@ -224,7 +227,8 @@ def main() -> int:
     if args.sass:
         command, regex = next(iter(sides.values()))
         return sass_hotspots(command, regex, f"{next(iter(sides))}_{'_'.join(map(str, args.shape))}{suffix}", out)
-    results = {label: run_side(cmd, regex, label + suffix, out, args.stalls) for label, (cmd, regex) in sides.items()}
+    results = {label: run_side(cmd, regex, label + suffix, out, args.stalls, args.tables)
+               for label, (cmd, regex) in sides.items()}
     a, b = results
     names = [n for n in results[a] if n in results[b]]
     width = max((len(n) for n in names), default=20)
