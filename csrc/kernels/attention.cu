@@ -38,8 +38,7 @@ struct attn_prefill {
   // those keep the stride order. (Beside three consumers the claim loop makes the producer spill 24 bytes.)
   static constexpr bool dynamic = Claims;
   // Consumers read the next task (cu_seqlens and the like) one task ahead (lcsf). Same-call A/B (session 21), the
-  // time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; but D=256 full 0.979-0.992, and
-  // again 0.980-0.990 in session 22, so D=256 goes without.
+  // time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; D=256 full 0.979-0.992 (noise?).
   static constexpr bool prefetch_task = !Claims && D != 256;
   static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
