@@ -25,6 +25,8 @@ v_cache = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
 q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
 out = torch.empty_like(q)
 lse = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")
+tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)  # loads the kernels
+torch.cuda.synchronize()
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 base = decode_plan.make_plan(b, ctx, 1, hq, hkv, d, page, sms, -1, 0, torch.cuda.get_device_name(0))
 print("base plan", base, flush=True)
