@@ -2,7 +2,8 @@
 few schedules of one shape, and each schedule's graph-replay time. Prints `CONFIG name ctas ms` lines; the kernel's
 probe_dump prints `PROBE cta start end smid` lines after each config's one dumped call (same order).
 
-    TK_PROBE=1 python3 ab/probe_cta_times.py [B CTX]
+    python3 ab/probe_cta_times.py [B CTX]             (needs ab/decode-cta-times.patch built for the PROBE lines)
+    python3 ab/probe_cta_times.py B CTX --only NAME   (that config, 6 plain calls: for ncu's per-kernel durations)
 """
 import dataclasses
 import os
@@ -14,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tk_backend  # noqa: E402
 from tk_backend import attention, decode_balanced, decode_plan  # noqa: E402
 
-b, ctx = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (8, 8192)
+only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+b, ctx = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 and sys.argv[1] != "--only" else (8, 8192)
 hq, hkv, d, page = 32, 8, 128, 16
 blocks = b * ctx // page
 torch.manual_seed(0)
@@ -45,13 +47,19 @@ def runner(plan, balanced, tile):
 
 configs = {"base": (base, False, decode_plan.kv_tile(base, False)),
            "balanced64": (base, True, 64)}
-for chunk in (512, 1024, 2048):
+for chunk in (512, 1024, 2048, 4096):
     p = dataclasses.replace(base, chunk_tokens=chunk, max_splits=ctx // chunk, coarsen_levels=0)
     configs[f"chunk{chunk}_t64"] = (p, False, 64)
     configs[f"chunk{chunk}_t128"] = (p, False, 128)
 ref = None
 for name, (plan, balanced, tile) in configs.items():
     call = runner(plan, balanced, tile)
+    if only is not None:
+        if name == only:
+            for _ in range(6):
+                call()
+            torch.cuda.synchronize()
+        continue
     for _ in range(3):
         call()
     torch.cuda.synchronize()
