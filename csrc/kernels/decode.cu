@@ -340,36 +340,45 @@ struct attn_decode_split {
 constexpr int SCHEDULE_THREADS = 512;
 
 // decode_plan.step_chunk: the candidate chunk C_j = chunk_tokens << j that needs the fewest rounds of full-size
-// items, weighted by their size (the largest j on ties).
+// items, weighted by their size (the largest j on ties). Each thread sums its sequences' costs at every level, each
+// warp reduces them by shuffles, and one thread adds the warps' sums: two block syncs, not two a level.
 __device__ int step_chunk(const tk::attn_decode_problem& p) {
-  using reduce_t = cub::BlockReduce<long long, SCHEDULE_THREADS>;
-  __shared__ typename reduce_t::TempStorage storage;
+  constexpr int LEVELS = tk::DECODE_MAX_COARSEN_LEVELS + 1, WARPS = SCHEDULE_THREADS / 32;
+  __shared__ long long warp_cost[WARPS][LEVELS];
   __shared__ int chosen;
-  long long cost[tk::DECODE_MAX_COARSEN_LEVELS + 1] = {};
+  long long cost[LEVELS] = {};
   const slot_rule rule = slot_rule_of(p);
   for (int b = threadIdx.x; b < p.batch; b += SCHEDULE_THREADS) {
     const int2 v = rule.visible(b);
     const int lo = v.x, length = v.y;
 #pragma unroll
-    for (int j = 0; j <= tk::DECODE_MAX_COARSEN_LEVELS; j++) {
+    for (int j = 0; j < LEVELS; j++) {
       const int chunk = p.chunk_tokens << min(j, p.coarsen_levels);
       const int count = ceil_div(length, chunk) - lo / chunk;
       if (j <= p.coarsen_levels && count > 0) cost[j] += (length - lo) + (long long)count * p.item_overhead;
     }
   }
-  if (threadIdx.x == 0) chosen = p.chunk_tokens;
-  long long best = LLONG_MAX;
 #pragma unroll  // cost[] stays in registers
-  for (int j = 0; j <= tk::DECODE_MAX_COARSEN_LEVELS; j++) {
+  for (int j = 0; j < LEVELS; j++) {
     if (j > p.coarsen_levels) break;
-    const long long total = reduce_t(storage).Sum(cost[j]) * p.hkv;  // valid in thread 0
-    __syncthreads();  // the storage is reused
-    if (threadIdx.x == 0) {
+    long long c = cost[j];
+    for (int o = 16; o; o /= 2) c += __shfl_xor_sync(~0u, c, o);
+    if (threadIdx.x % 32 == 0) warp_cost[threadIdx.x / 32][j] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long best = LLONG_MAX;
+    int pick = p.chunk_tokens;
+    for (int j = 0; j <= p.coarsen_levels; j++) {
+      long long total = 0;
+      for (int w = 0; w < WARPS; w++) total += warp_cost[w][j];
+      total *= p.hkv;
       const long long per_item = (long long)(p.chunk_tokens << j) + p.item_overhead;
       const long long span = (long long)p.num_ctas * per_item;
       const long long time = (total + span - 1) / span * per_item;
-      if (time <= best) best = time, chosen = p.chunk_tokens << j;
+      if (time <= best) best = time, pick = p.chunk_tokens << j;
     }
+    chosen = pick;
   }
   __syncthreads();
   return chosen;
