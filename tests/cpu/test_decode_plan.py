@@ -384,3 +384,49 @@ def test_tune_buckets_tile_every_dimension_and_fit_in_memory():
         for _, _, c in tune.CONTEXT:
             rb = tune.representative_batch(b, c)
             assert 1 <= rb <= b and rb * c * tune.HKV * tune.D * 4 <= tune.KV_BYTES_CAP
+
+
+@pytest.mark.parametrize("window", [-1, 3000])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_coarsened_direct_mode_covers_every_visible_key_once(window, q_len):
+    """Coarsened direct mode (decode.cu's coarsened_rule, mirrored by coarsened_work_list): the used slots cover
+    each (sequence, kv head)'s visible keys exactly once, fit the grid one a CTA, and come from the smallest
+    chunk that fits."""
+    rng = random.Random(23 + q_len + window)
+    plan = decode_plan.make_plan(8, 8192, q_len, 32, 8, 128, 16, 132, window, 0, "NVIDIA H200")
+    assert decode_plan.direct_coarsened(plan), plan
+
+    def used_items(lengths, chunk):
+        return sum(max(-(-end // chunk) - lo // chunk, 0) if end > lo else 0
+                   for lo, end in (decode_plan.visible(n, 8192, q_len, window) for n in lengths)) * 8
+
+    for _ in range(60):
+        lengths = [rng.choice([0, 1, q_len, rng.randint(2, 1500), rng.randint(1500, 8192)]) for _ in range(8)]
+        chunk, slots = decode_plan.coarsened_work_list(plan, lengths)
+        assert len(slots) == plan.max_items
+        used = [w for w in slots if w[3] > w[2]]
+        assert len(used) <= plan.num_ctas
+        assert chunk == plan.chunk_tokens or used_items(lengths, chunk // 2) > plan.num_ctas
+        for b, n in enumerate(lengths):
+            lo, end = decode_plan.visible(n, 8192, q_len, window)
+            for h in range(8):
+                ranges = sorted((s, e) for (bb, hh, s, e) in used if (bb, hh) == (b, h))
+                if end <= lo:
+                    assert not ranges
+                    continue
+                assert ranges[0][0] == lo and ranges[-1][1] == end, (lengths, b, ranges)
+                assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:])), (lengths, b, ranges)
+
+
+def test_coarsened_direct_mode_rule():
+    """Only small batches that would otherwise run the schedule kernel take coarsened direct mode."""
+    def plan(batch, context, hkv=8, window=-1):
+        return decode_plan.make_plan(batch, context, 1, 4 * hkv, hkv, 128, 16, 132, window, 0, "NVIDIA H200")
+
+    assert decode_plan.direct_coarsened(plan(8, 8192))
+    assert decode_plan.direct_coarsened(plan(8, 8192, window=3000))
+    assert not decode_plan.direct_coarsened(plan(8, 8192), balanced=True)
+    assert not decode_plan.direct_coarsened(plan(64, 8192))  # more sequences than the rule's limit
+    assert decode_plan.direct_coarsened(plan(9, 8192))
+    assert not decode_plan.direct_coarsened(plan(9, 8192, window=3000))  # two items a sequence do not fit
+    assert not decode_plan.direct_coarsened(plan(1, 8192))  # direct already: a slot per CTA
