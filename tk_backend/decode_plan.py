@@ -248,45 +248,6 @@ def make_plan(
     return plan if source == "num_splits" else coarsened(plan)  # num_splits means what it says
 
 
-# Coarsened direct mode (csrc/kernels/decode.cu, coarsened_rule): a plan that would run the schedule kernel, for at
-# most this many sequences whose items at the coarsest chunk fit the grid one a CTA, runs without it: each CTA picks
-# the step's chunk (the smallest whose items fit the grid) and its item itself. The schedule kernel took 10 us of an
-# 80 us b8 ctx8192 step (ncu, session 23); a 4096-key direct plan there ran in 0.91 of the time.
-DIRECT_COARSENED_MAX_BATCH = 16  # csrc/kernels/attention.h DECODE_DIRECT_COARSENED_MAX_BATCH
-
-
-def direct_coarsened(plan: DecodePlan, balanced: bool = False) -> bool:
-    """Whether the decode kernel runs `plan` in coarsened direct mode (mirrors decode.cu's run()): not balanced,
-    more slots than CTAs, coarsening, at most DIRECT_COARSENED_MAX_BATCH sequences, and every sequence's items at
-    the coarsest chunk (one; two under a window, whose keys may straddle a chunk boundary) one a CTA."""
-    return (not balanced and plan.max_items > plan.num_ctas and plan.coarsen_levels > 0
-            and plan.batch <= DIRECT_COARSENED_MAX_BATCH
-            and plan.batch * plan.num_kv_heads * (2 if plan.window_left >= 0 else 1) <= plan.num_ctas)
-
-
-def coarsened_work_list(plan: DecodePlan, lengths: list[int]) -> tuple[int, list[tuple[int, int, int, int]]]:
-    """Coarsened direct mode's step for these context lengths (decode.cu's coarsened_rule, in plain Python): the
-    chunk (the smallest C_j whose items fit the CTAs) and the work list the kernel leaves, a slot (b, h, s) per
-    (sequence, kv head, chunk index): (b, h, start, end), or (b, h, 0, 0) past the sequence's items."""
-    def items(length: int, chunk: int) -> int:
-        lo, end = visible(length, plan.max_context, plan.q_len, plan.window_left)
-        return _ceil_div(end, chunk) - lo // chunk if end > lo else 0
-
-    for j in range(plan.coarsen_levels + 1):
-        chunk = plan.chunk_tokens << j
-        if sum(items(n, chunk) for n in lengths) * plan.num_kv_heads <= plan.num_ctas:
-            break
-    slots = []
-    for b, n in enumerate(lengths):
-        lo, end = visible(n, plan.max_context, plan.q_len, plan.window_left)
-        used = items(n, chunk)
-        for h in range(plan.num_kv_heads):
-            for s in range(plan.max_splits):
-                aligned = (lo // chunk + s) * chunk
-                slots.append((b, h, max(aligned, lo), min(aligned + chunk, end)) if s < used else (b, h, 0, 0))
-    return chunk, slots
-
-
 def coarsened(plan: DecodePlan) -> DecodePlan:
     """The plan with the coarsening its shape allows: none in direct mode (a CTA per slot, no schedule
     kernel), else doublings until a chunk holds a whole span."""

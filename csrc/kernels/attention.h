@@ -72,6 +72,5 @@ struct attn_decode_problem {
 void attn_decode(const attn_decode_problem& p, cudaStream_t stream);
 constexpr int DECODE_MAX_COARSEN_LEVELS = 15;  // decode_plan.MAX_COARSEN_LEVELS
 constexpr int DECODE_BALANCED_MAX_CTAS = 1024;  // balanced mode's schedule kernel: two CTAs a thread
-constexpr int DECODE_DIRECT_COARSENED_MAX_BATCH = 16;  // decode_plan.DIRECT_COARSENED_MAX_BATCH
 
 }  // namespace tk

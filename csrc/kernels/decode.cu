@@ -57,55 +57,6 @@ __host__ __device__ inline slot_rule slot_rule_of(const tk::attn_decode_problem&
   return {p.cache_seqlens, p.hkv, p.max_splits, p.max_context, p.q_len, p.window_left, p.chunk_tokens};
 }
 
-// Coarsened direct mode (decode_plan.direct_coarsened: at most DECODE_DIRECT_COARSENED_MAX_BATCH sequences, whose
-// items at the coarsest chunk fit the grid one a CTA): no schedule kernel. Each CTA picks the step's chunk itself,
-// the smallest C_j = chunk_tokens << j whose chunk-aligned items (all sequences and kv heads) number at most the
-// CTAs, and runs item `cta` of them (sequence-major, then kv head, then chunk) or none. An item's partials go to its
-// slot of the plan's work list ((b * hkv + h) * max_splits + s, s < max_splits at any coarser chunk), and each
-// CTA marks empty the unused slots i = cta (mod ctas), so the merge reads a complete list.
-struct coarsened_rule {
-  slot_rule slots;
-  int batch, levels, ctas;
-
-  __device__ __forceinline__ int items(int b, int chunk) const {  // sequence b's items at this chunk
-    const int2 v = slots.visible(b);
-    return v.y > v.x ? ceil_div(v.y, chunk) - v.x / chunk : 0;
-  }
-  __device__ int chunk() const {
-    int j = 0;
-    for (; j < levels; j++) {
-      int total = 0;
-      for (int b = 0; b < batch; b++) total += items(b, slots.chunk_tokens << j);
-      if (total * slots.hkv <= ctas) break;
-    }
-    return slots.chunk_tokens << j;  // the coarsest fits: the host checked (direct_coarsened)
-  }
-  // Item `id` at `chunk`: {b, h, start, end} and its slot (-1, and an empty range, past the last item).
-  __device__ int4 item(int id, int chunk, int& slot) const {
-    for (int b = 0; b < batch; b++) {
-      const int n = items(b, chunk);
-      if (id < n * slots.hkv) {
-        const int h = id / n, s = id % n;
-        const int2 v = slots.visible(b);
-        const int aligned = (v.x / chunk + s) * chunk;
-        slot = (b * slots.hkv + h) * slots.max_splits + s;
-        return make_int4(b, h, max(aligned, v.x), min(aligned + chunk, v.y));
-      }
-      id -= n * slots.hkv;
-    }
-    slot = -1;
-    return make_int4(0, 0, 0, 0);
-  }
-  // CTA c's share of the unused slots: i = c (mod ctas) whose chunk index is past its sequence's items.
-  __device__ void mark_unused(int4* work_items, int c, int chunk) const {
-    const int per_seq = slots.hkv * slots.max_splits, n = batch * per_seq;
-    for (int i = c; i < n; i += ctas) {
-      const int b = i / per_seq, s = i % slots.max_splits;
-      if (s >= items(b, chunk)) work_items[i] = make_int4(b, (i / slots.max_splits) % slots.hkv, 0, 0);
-    }
-  }
-};
-
 // Balanced mode (tk_backend/decode_balanced.py): segment (b, h) costs overhead + its visible keys, the segments
 // (b-major) are laid end to end into a stream of T units, and CTA c owns units [c T / C, (c + 1) T / C). A share
 // boundary inside a segment's keys becomes the key cut down to a multiple of `align` (at least the segment's
@@ -183,9 +134,6 @@ struct attn_decode_split {
     // for the merge (no schedule kernel: small batches, where it is a third of the latency).
     bool direct;
     slot_rule slots;
-    // coarsened: coarsened direct mode (see coarsened_rule): CTA c runs item c of the step's chunk.
-    bool coarsened;
-    coarsened_rule coarse;
     // single: one item per (sequence, kv head) (max_splits 1), so finish writes out and lse itself and the
     // merge kernel is not launched. Otherwise an item that is its sequence's only one this step (the step's
     // chunk covers the sequence: slot_rule::whole) does the same, and the merge skips its segment.
@@ -213,7 +161,7 @@ struct attn_decode_split {
   struct task_t { int item, b, h, start, end, base, len, iters; };
 
   __device__ static int2 task_range(const globals& g, int cta, int) {
-    if (g.direct || g.coarsened) return {cta, cta + 1};
+    if (g.direct) return {cta, cta + 1};
     if (g.balanced) return {g.cta_start[cta], min(g.cta_start[cta + 1] + 1, g.bal.batch * g.bal.hkv)};
     return {g.cta_start[cta], g.cta_start[cta + 1]};
   }
@@ -222,7 +170,7 @@ struct attn_decode_split {
   // segment's used slots come first, and a step's chunk can leave most of them empty (short contexts under a
   // max_model_len-wide table, or any coarsened step), each of which would otherwise cost a dependent load.
   __device__ static int next_task(const globals& g, const task_t& t, int id) {
-    if (g.direct || g.coarsened || g.balanced || (t.end > t.start && t.end < g.slots.clamped(t.len))) return id + 1;
+    if (g.direct || g.balanced || (t.end > t.start && t.end < g.slots.clamped(t.len))) return id + 1;
     return (id / g.slots.max_splits + 1) * g.slots.max_splits;
   }
   __device__ static task_t task(const globals& g, int id, int) {
@@ -233,11 +181,8 @@ struct attn_decode_split {
       t.iters = pc.y > pc.x ? ceil_div(pc.y - t.base, KV) : 0;
       return t;
     }
-    int item = id;
-    const int4 w = g.coarsened ? g.coarse.item(id, g.coarse.chunk(), item)
-                   : g.direct  ? g.slots(id)
-                               : reinterpret_cast<const int4*>(g.work_items)[id];
-    task_t t{item, w.x, w.y, w.z, w.w, w.z & ~(PIECE - 1), g.cache_seqlens[w.x], 0};
+    const int4 w = g.direct ? g.slots(id) : reinterpret_cast<const int4*>(g.work_items)[id];
+    task_t t{id, w.x, w.y, w.z, w.w, w.z & ~(PIECE - 1), g.cache_seqlens[w.x], 0};
     t.iters = w.w > w.z ? ceil_div(w.w - t.base, KV) : 0;  // empty slots carry no work
     return t;
   }
@@ -362,11 +307,8 @@ struct attn_decode_split {
 
   __device__ static void finish(consumer_state& s, scratch_block&, const globals& g, const task_t& t, int) {
     wgmma::fence_operand(s.p);
-    if ((g.direct || g.coarsened) && !g.single && warpgroup::thread() == 0) {
-      int4* work_items = reinterpret_cast<int4*>(g.work_items);
-      if (t.item >= 0) work_items[t.item] = make_int4(t.b, t.h, t.start, t.end);
-      if (g.coarsened) g.coarse.mark_unused(work_items, blockIdx.x, g.coarse.chunk());
-    }
+    if (g.direct && !g.single && warpgroup::thread() == 0)
+      reinterpret_cast<int4*>(g.work_items)[t.item] = make_int4(t.b, t.h, t.start, t.end);
     // single: an empty item (no visible key) finalizes to out 0 and lse -inf, as the merge would.
     if (g.single || g.slots.whole(t.b, t.start, t.end)) {
       write_output(s, g, t);
@@ -707,11 +649,6 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.balanced = p.balanced;
   g.bal = balanced_rule_of<K::KV>(p);
   g.direct = !p.balanced && p.max_items <= p.num_ctas;  // one slot per CTA: nothing to balance
-  // decode_plan.direct_coarsened: few sequences, each in one item at the coarsest chunk (two under a window, whose
-  // keys may straddle a chunk boundary), all of them one a CTA.
-  g.coarsened = !p.balanced && !g.direct && p.coarsen_levels > 0 && p.batch <= tk::DECODE_DIRECT_COARSENED_MAX_BATCH &&
-                p.batch * p.hkv * (p.window_left >= 0 ? 2 : 1) <= p.num_ctas;
-  g.coarse = {g.slots, p.batch, p.coarsen_levels, p.num_ctas};
   g.single = !p.balanced && p.max_splits == 1;
   g.out = static_cast<T*>(p.out);
   for (int i = 0; i < 3; i++) g.out_strides[i] = p.out_strides[i];
@@ -725,7 +662,7 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
                   group);
     return;
   }
-  if (!g.direct && !g.coarsened) {
+  if (!g.direct) {
     build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
     TK_LAUNCH_CHECK();
   }

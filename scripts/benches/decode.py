@@ -141,9 +141,7 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
     plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, D, page, num_sms, -1, 0, name)
     step = int(decode_plan.step_chunk(plan, seqlens.cpu()))
     balanced = attention.balanced_mode(plan)
-    schedule = ("balanced shares" if balanced else
-                "coarsened direct (each CTA picks the chunk and its item)" if decode_plan.direct_coarsened(plan) else
-                f"this step's chunk {step} (coarsen_levels={plan.coarsen_levels})")
+    schedule = "balanced shares" if balanced else f"this step's chunk {step} (coarsen_levels={plan.coarsen_levels})"
     print(f"  {case}: plan chunk_tokens={plan.chunk_tokens} max_splits={plan.max_splits} ctas={plan.num_ctas} "
           f"({plan.source}); {schedule}; K/V tile {decode_plan.kv_tile(plan, balanced)} keys", flush=True)
     if layers == 1:

@@ -143,7 +143,7 @@ def test_balanced_mode_rule(batch, context, splits, expected):
 
 
 def test_limits_mirrored_from_the_kernel_header_match_it():
-    """The Python planners mirror three limits of csrc/kernels/attention.h; a change on one side must reach the other."""
+    """The Python planners mirror two limits of csrc/kernels/attention.h; a change on one side must reach the other."""
     import re
     from pathlib import Path
 
@@ -156,4 +156,3 @@ def test_limits_mirrored_from_the_kernel_header_match_it():
 
     assert constant("DECODE_BALANCED_MAX_CTAS") == decode_balanced.MAX_CTAS
     assert constant("DECODE_MAX_COARSEN_LEVELS") == decode_plan.MAX_COARSEN_LEVELS
-    assert constant("DECODE_DIRECT_COARSENED_MAX_BATCH") == decode_plan.DIRECT_COARSENED_MAX_BATCH

@@ -158,11 +158,6 @@ def test_schedule_kernel_matches_build_work_list(window, seed):
         assert used.cta_start.tolist() == first, f"contexts={contexts} seed={seed}"
         return
     used = _attention._workspace(plan, q.device)
-    if decode_plan.direct_coarsened(plan):  # no schedule kernel: the CTAs' own work list (test_coarsened_direct_mode)
-        torch.cuda.synchronize()
-        expected = [list(w) for w in decode_plan.coarsened_work_list(plan, contexts)[1]]
-        assert used.work_items[: plan.max_items].tolist() == expected, f"contexts={contexts} seed={seed}"
-        return
     expected = decode_plan.DecodeWorkspace.allocate(plan, q.device)
     decode_plan.build_work_list(plan, seqlens, expected)
     torch.cuda.synchronize()
@@ -171,39 +166,6 @@ def test_schedule_kernel_matches_build_work_list(window, seed):
     assert torch.equal(used.work_items, expected.work_items), f"contexts={contexts} seed={seed} direct={direct}"
     if not direct:
         assert torch.equal(used.cta_start, expected.cta_start), f"contexts={contexts} seed={seed}"
-
-
-@pytest.mark.parametrize("window", [(-1, -1), (3000, 0)])
-@pytest.mark.parametrize("q_len", [1, 4])
-def test_coarsened_direct_mode(window, q_len, seed):
-    """Eight sequences under an 8192-token table: coarsened direct mode (no schedule kernel; each CTA picks the
-    step's chunk and its item). Output and LSE against the reference, and the work list the merge reads against
-    decode_plan.coarsened_work_list, over mixed lengths (empty, q_len, short, long) twice on one workspace."""
-    rng = random.Random(seed)
-    batch, hkv, group, d, block_size = 8, 8, 4, 128, 16
-    k_cache, v_cache, table = _cache(rng, batch, [8192 - 2 * block_size] * batch, block_size, hkv, d)
-    num_sms, name = _attention._device_info(k_cache.device)
-    plan = decode_plan.make_plan(batch, table.shape[1] * block_size, q_len, hkv * group, hkv, d, block_size, num_sms,
-                                 window[0], 0, name)
-    assert decode_plan.direct_coarsened(plan), plan
-    for _ in range(2):
-        contexts = [rng.choice([0, q_len, rng.randint(q_len, 900), rng.randint(900, 8192 - 2 * block_size)])
-                    for _ in range(batch)]
-        contexts[rng.randrange(batch)] = 8192 - 2 * block_size  # one at full length: the coarsest chunks
-        q = torch.randn(batch, q_len, hkv * group, d, device="cuda", dtype=torch.bfloat16)
-        seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-        out = torch.full_like(q, float("nan"))
-        _, lse = _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, window, 0.0, 0, out)
-        torch.cuda.synchronize()
-        what = f"coarsened direct q_len={q_len} window={window} ctx={contexts} seed={seed}"
-        ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table, window_size=window)
-        assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)  # rows that see no key: 0 on both sides
-        seen = torch.isfinite(ref_lse)
-        assert torch.equal(torch.isfinite(lse), seen), what
-        assert_close(lse[seen], ref_lse[seen], rel=1e-3, atol=1e-3, what=what + " lse")
-        _, slots = decode_plan.coarsened_work_list(plan, contexts)
-        used = _attention._workspace(plan, q.device)
-        assert used.work_items[: plan.max_items].tolist() == [list(w) for w in slots], what
 
 
 def test_forced_splits_keep_the_static_schedule(seed):
