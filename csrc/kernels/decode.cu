@@ -15,6 +15,16 @@ using namespace kittens;
 
 namespace {
 
+// x / y (rounded down) for x >= 0, y > 0, in the schedule kernels. A 64-bit integer division is a long serial
+// routine (step_chunk's thread 0 ran one a level in a row); the double quotient is within one of the truth at these
+// sizes and is then made exact. (In the decode kernel's task walk it made the producer spill: that keeps `/`.)
+__device__ __forceinline__ long long div_floor(long long x, long long y) {
+  long long q = (long long)((double)x / (double)y);
+  while (q > 0 && q * y > x) q--;
+  while ((q + 1) * y <= x) q++;
+  return q;
+}
+
 // A context length as the kernels see it: clamped to what the block table can address.
 __device__ __forceinline__ int clamped_length(int length, int max_context) { return min(max(length, 0), max_context); }
 // Sequence b's visible keys [lo, length): its context clamped to the table, less what the window hides.
@@ -351,10 +361,11 @@ __device__ int step_chunk(const tk::attn_decode_problem& p) {
   for (int b = threadIdx.x; b < p.batch; b += SCHEDULE_THREADS) {
     const int2 v = rule.visible(b);
     const int lo = v.x, length = v.y;
+    // At C_j = chunk_tokens << j: ceil(L / C_j) = ceil(ceil(L / C_0) / 2^j), floor(lo / C_j) = floor(lo / C_0) >> j.
+    const int last = ceil_div(length, p.chunk_tokens), first = lo / p.chunk_tokens;
 #pragma unroll
     for (int j = 0; j < LEVELS; j++) {
-      const int chunk = p.chunk_tokens << min(j, p.coarsen_levels);
-      const int count = ceil_div(length, chunk) - lo / chunk;
+      const int count = ((last + (1 << j) - 1) >> j) - (first >> j);
       if (j <= p.coarsen_levels && count > 0) cost[j] += (length - lo) + (long long)count * p.item_overhead;
     }
   }
@@ -375,7 +386,7 @@ __device__ int step_chunk(const tk::attn_decode_problem& p) {
       total *= p.hkv;
       const long long per_item = (long long)(p.chunk_tokens << j) + p.item_overhead;
       const long long span = (long long)p.num_ctas * per_item;
-      const long long time = (total + span - 1) / span * per_item;
+      const long long time = div_floor(total + span - 1, span) * per_item;
       if (time <= best) best = time, pick = p.chunk_tokens << j;
     }
     chosen = pick;
@@ -450,7 +461,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_deco
   scan_in_tiles(
       storage.scan, carry, n, [&](int i) { int4 w; return item(i, w); },
       [&](int i, long long before, long long cost) {
-        const long long lo = before * ctas / total_cost, hi = (before + cost) * ctas / total_cost;
+        const long long lo = div_floor(before * ctas, total_cost), hi = div_floor((before + cost) * ctas, total_cost);
         for (long long c = lo + 1; c <= hi && c < ctas; c++) p.cta_start[c] = i + 1;
       });
 }
@@ -490,7 +501,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_deco
     const long long units = r.cost(r.visible(b)), x = seq_at[b], y = x + p.hkv * units;
     if (units == 0) continue;
     if (y == total) p.cta_start[ctas] = (b + 1) * p.hkv;  // the last non-empty sequence
-    const long long c0 = (x * ctas + total - 1) / total, c1 = min((y * ctas + total - 1) / total, (long long)ctas);
+    const long long c0 = div_floor(x * ctas + total - 1, total), c1 = min(div_floor(y * ctas + total - 1, total), (long long)ctas);
     if (c0 < c1) owner[c0] = b;
   }
   __syncthreads();
@@ -503,7 +514,7 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_deco
     const int c = threadIdx.x * BALANCED_CTAS_PER_THREAD + k, b = mark[k];
     if (c >= ctas) break;
     const long long units = r.cost(r.visible(b));  // b >= 0: the first non-empty sequence owns CTA 0
-    p.cta_start[c] = b * p.hkv + int(min((r.begin(c, total) - seq_at[b]) / units, (long long)p.hkv - 1));
+    p.cta_start[c] = b * p.hkv + int(min(div_floor(r.begin(c, total) - seq_at[b], units), (long long)p.hkv - 1));
   }
 }
 
