@@ -29,6 +29,20 @@ struct visibility {
     if (right >= 0) hi = min(hi, q + right);
     lo = left >= 0 ? q - left : INT_MIN / 2;
   }
+  // The same test as bounds on col0 (partial is true iff span.masks(col0)): tiles past `after` (keys past the
+  // end, causal, the window's right) or before `before` (the window's left). A kernel whose rows stay put over a
+  // task's tiles works these out once and tests two bounds a tile.
+  struct span {
+    int after, before;
+    __device__ __forceinline__ bool masks(int col0) const { return (col0 > after) | (col0 < before); }
+  };
+  __device__ __forceinline__ span mask_span(int row0, int rows, int cols) const {
+    const int q_lo = query(row0) + offset, q_hi = query(row0 + rows - 1) + offset;
+    int after = lk - cols;                             // c_hi = col0 + cols - 1 >= lk
+    if (causal) after = min(after, q_lo - cols + 1);  // c_hi > q_lo
+    if (right >= 0) after = min(after, q_lo + right - cols + 1);
+    return {after, left >= 0 ? q_hi - left : INT_MIN};
+  }
   // Does the tile [row0, row0 + rows) x [col0, col0 + cols) hide any key from any of its rows?
   __device__ __forceinline__ bool partial(int row0, int rows, int col0, int cols) const {
     const int q_lo = query(row0), q_hi = query(row0 + rows - 1), c_hi = col0 + cols - 1;
@@ -63,9 +77,10 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // (warp-uniform: if not, the output may skip its multiply); otherwise it is true. RowSlots: the row slots of the
 // tile that hold live rows (1: only rows lane / 4, the first 8 of the 16, as decode's packed queries of a small
 // group); the others are left as they are (their m stays -inf and l 0), so their scores must be finite.
-template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility>
+// `masked()`: whether the tile needs the mask (vis.partial, or a caller's span worked out once a task).
+template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility, typename Masked>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
-                                               const Visibility& vis, int row0, int col0) {
+                                               const Visibility& vis, int row0, int col0, Masked masked) {
   using namespace kittens;
   if (sc.softcap > 0.f) {
     // cap * tanh(y) = cap - 2 cap / (1 + 2^(2 log2(e) y)): one ex2 and one rcp a score. tanhf's long expansion
@@ -74,7 +89,7 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
     const float k = 2.f * sc.scale_log2 / sc.softcap, cap = sc.softcap, two_cap = 2.f * sc.softcap;
     map(att, att, [k, cap, two_cap](float x) { return cap - __fdividef(two_cap, 1.f + fast_exp2(x * k)); });
   }
-  if (vis.partial(row0, S::rows, col0, S::cols))
+  if (masked())
     mask_cols<RowSlots>(att, att, row0, col0, [&vis](int row, int& lo, int& hi) { vis.keys(row, lo, hi); }, -INFINITY);
   const float es = sc.exp_scale();
   V m_new, base;
@@ -105,6 +120,12 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   row_sum_share<RowSlots>(l, att, l);  // l in shares: the lanes of a row are combined once, in finalize
   if constexpr (Lazy) return __any_sync(0xffffffffu, moved);
   else return true;
+}
+template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility>
+__device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
+                                               const Visibility& vis, int row0, int col0) {
+  return online_softmax<Lazy, RowSlots>(att, m, l, rescale, sc, vis, row0, col0,
+                                        [&] { return vis.partial(row0, S::rows, col0, S::cols); });
 }
 
 // o /= l, and the natural-log LSE of each row (-inf and o = 0 for a row that saw no key).
