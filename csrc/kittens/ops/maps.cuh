@@ -290,7 +290,9 @@ __device__ __forceinline__ void mask(D& dst, const D& src, int row0, int col0, K
 // keep an interval of each row (causal, windows, a sequence's end). range(row, lo, hi) gives the interval
 // [lo, hi] of a row (positions offset by (row0, col0) as in mask), once a row; each element is then compared
 // against a compile-time offset from its lane's first column, where mask evaluates keep per element.
-template <unsigned RowSlots = ~0u, register_tile D, typename Range>
+// Lower = false: the intervals have no lower end inside the tile (lo <= col0 on every row; range's lo is ignored),
+// so each element is compared with hi only.
+template <unsigned RowSlots = ~0u, bool Lower = true, register_tile D, typename Range>
 __device__ __forceinline__ void mask_cols(D& dst, const D& src, int row0, int col0, Range range, float fill_value) {
   static_assert(std::is_same_v<typename D::layout, row_l>, "row-layout tiles (a lane holds pairs of a row)");
   using F = frag<row_l>;
@@ -317,8 +319,8 @@ __device__ __forceinline__ void mask_cols(D& dst, const D& src, int row0, int co
         for (int kk = 0; kk < 2; kk++) {
           const int k = half + 2 * kk, c = 16 * j + 8 * kk;  // the lane's first column of the pair, less lane_col
           float2 x = convert<float2>(src.data[i][j][k]);
-          if (c < lo || c > hi) x.x = fill_value;
-          if (c + 1 < lo || c + 1 > hi) x.y = fill_value;
+          if ((Lower && c < lo) || c > hi) x.x = fill_value;
+          if ((Lower && c + 1 < lo) || c + 1 > hi) x.y = fill_value;
           dst.data[i][j][k] = convert<typename D::T2>(x);
         }
     }
