@@ -1,0 +1,81 @@
+"""Per-tile and per-task cost of the D=64 prefill, causal against full masks (session 24's lead in ab/README).
+
+    python3 ab/probe_prefill_tiles.py [--fa3]
+
+Times tk (and FA3 with --fa3, when its wheel is importable) on D=64, 32 heads, 65536 tokens, over pairs of
+sequence lengths whose tasks a CTA are equal, and fits time = tasks a CTA x (tiles a task x T + X) to each pair:
+T is the time of one 128 x 128 key-query tile, X the cost of a task. It also times full masks at n=2048 (16 tiles
+a task, 16384 tasks) beside causal n=4096 (16.5 tiles a task, 16384 tasks): the same shape of work, so what the
+causal run costs beyond it is the mask, the order and the unequal lengths.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
+import tk_backend  # noqa: E402
+from benchlib import time_per_call  # noqa: E402
+
+TOKENS, HEADS, D = 65536, 32, 64
+
+
+def timed(n: int, causal: bool, fa3=None) -> float:
+    b = TOKENS // n
+    q, k, v = (torch.randn(b, n, HEADS, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if fa3 is None:
+        out = torch.empty_like(q)
+        return time_per_call(lambda i: tk_backend.flash_attn_func(q, k, v, causal=causal, out=out), 1)
+    return time_per_call(lambda i: fa3.flash_attn_func(q, k, v, causal=causal), 1)
+
+
+def tiles(n: int, bq: int, bk: int, causal: bool) -> tuple[int, float]:
+    """Tasks (query blocks x heads) and the mean 128 x 128 tiles a task, for bq x bk tiles."""
+    blocks = math.ceil(n / bq)
+    per_task = [math.ceil(min(n, (i + 1) * bq) / bk) if causal else math.ceil(n / bk) for i in range(blocks)]
+    heads = TOKENS // n * HEADS
+    return blocks * heads, sum(per_task) / blocks * (bq * bk) / (128 * 128)
+
+
+def fit(ms_pair, shape_pair, ctas: int) -> tuple[float, float]:
+    (t1, t2), ((tasks1, k1), (tasks2, k2)) = ms_pair, shape_pair
+    y1, y2 = t1 * 1e3 / (tasks1 / ctas), t2 * 1e3 / (tasks2 / ctas)  # us a task
+    tile = (y2 - y1) / (k2 - k1)
+    return tile, y1 - k1 * tile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fa3", action="store_true")
+    args = parser.parse_args()
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    impls = {"tk": None}
+    if args.fa3:
+        try:
+            import flash_attn_interface as fa3
+            impls["fa3"] = fa3
+        except ImportError:
+            print("no FA3 wheel: tk only")
+    # the tile shapes each impl runs (tk: two consumers for D=64 causal up to 4096 keys, three otherwise;
+    # FA3: 192 x 128 causal, 192 x 192 full)
+    shapes = {"tk": {True: (128, 128), False: (192, 128)}, "fa3": {True: (192, 128), False: (192, 192)}}
+    for name, mod in impls.items():
+        for causal in (True, False):
+            bq, bk = shapes[name][causal]
+            ms = [timed(n, causal, mod) for n in (1024, 4096)]
+            t, x = fit(ms, [tiles(n, bq, bk, causal) for n in (1024, 4096)], ctas)
+            print(f"{name} {'causal' if causal else 'full  '} n=1024 / 4096: {ms[0]:.4f} / {ms[1]:.4f} ms; "
+                  f"T = {t:.3f} us a 128 x 128 tile, X = {x:.2f} us a task")
+        full2048, causal4096 = timed(2048, False, mod), timed(4096, True, mod)
+        work = [tasks * per_task for tasks, per_task in
+                (tiles(2048, *shapes[name][False], False), tiles(4096, *shapes[name][True], True))]
+        print(f"{name} full n=2048 {full2048:.4f} ms, causal n=4096 {causal4096:.4f} ms: "
+              f"causal / full {causal4096 / full2048:.3f} (work ratio {work[1] / work[0]:.3f} in 128 x 128 tiles)")
+
+
+if __name__ == "__main__":
+    main()
