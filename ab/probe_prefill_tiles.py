@@ -2,9 +2,9 @@
 
     python3 ab/probe_prefill_tiles.py [--fa3]
 
-Times tk (and FA3 with --fa3, when its wheel is importable) on D=64, 32 heads, 65536 tokens, over pairs of
-sequence lengths whose tasks a CTA are equal, and fits time = tasks a CTA x (tiles a task x T + X) to each pair:
-T is the time of one 128 x 128 key-query tile, X the cost of a task. It also times full masks at n=2048 (16 tiles
+Times tk (and FA3 with --fa3, when its wheel is importable) on D=64, 32 heads, 65536 tokens, at n = 1024, 2048
+and 4096, and fits time = tasks a CTA x (tiles a task x T + X) by least squares (residuals printed: a bad fit says
+the model misses something): T is the time of one 128 x 128 key-query tile, X the cost of a task. It also times full masks at n=2048 (16 tiles
 a task, 16384 tasks) beside causal n=4096 (16.5 tiles a task, 16384 tasks): the same shape of work, so what the
 causal run costs beyond it is the mask, the order and the unequal lengths.
 """
@@ -41,11 +41,14 @@ def tiles(n: int, bq: int, bk: int, causal: bool) -> tuple[int, float]:
     return blocks * heads, sum(per_task) / blocks * (bq * bk) / (128 * 128)
 
 
-def fit(ms_pair, shape_pair, ctas: int) -> tuple[float, float]:
-    (t1, t2), ((tasks1, k1), (tasks2, k2)) = ms_pair, shape_pair
-    y1, y2 = t1 * 1e3 / (tasks1 / ctas), t2 * 1e3 / (tasks2 / ctas)  # us a task
-    tile = (y2 - y1) / (k2 - k1)
-    return tile, y1 - k1 * tile
+def fit(ms, shapes, ctas: int) -> tuple[float, float, list[float]]:
+    """Least squares of us a task = tiles a task x T + X over the lengths; (T, X, relative residuals)."""
+    xs = [k for _, k in shapes]
+    ys = [t * 1e3 / (tasks / ctas) for t, (tasks, _) in zip(ms, shapes)]  # us a task
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    tile = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    overhead = my - tile * mx
+    return tile, overhead, [(tile * x + overhead) / y - 1 for x, y in zip(xs, ys)]
 
 
 def main() -> None:
@@ -63,13 +66,15 @@ def main() -> None:
     # the tile shapes each impl runs (tk: two consumers for D=64 causal up to 4096 keys, three otherwise;
     # FA3: 192 x 128 causal, 192 x 192 full)
     shapes = {"tk": {True: (128, 128), False: (192, 128)}, "fa3": {True: (192, 128), False: (192, 192)}}
+    lengths = (1024, 2048, 4096)  # tk's D=64 causal kernel changes (two consumers -> three) past 4096 keys
     for name, mod in impls.items():
         for causal in (True, False):
             bq, bk = shapes[name][causal]
-            ms = [timed(n, causal, mod) for n in (1024, 4096)]
-            t, x = fit(ms, [tiles(n, bq, bk, causal) for n in (1024, 4096)], ctas)
-            print(f"{name} {'causal' if causal else 'full  '} n=1024 / 4096: {ms[0]:.4f} / {ms[1]:.4f} ms; "
-                  f"T = {t:.3f} us a 128 x 128 tile, X = {x:.2f} us a task")
+            ms = [timed(n, causal, mod) for n in lengths]
+            t, x, residuals = fit(ms, [tiles(n, bq, bk, causal) for n in lengths], ctas)
+            print(f"{name} {'causal' if causal else 'full  '} n={' / '.join(map(str, lengths))}: "
+                  f"{' / '.join(f'{m:.4f}' for m in ms)} ms; T = {t:.3f} us a 128 x 128 tile, X = {x:.2f} us a "
+                  f"task (fit residuals {' / '.join(f'{r:+.3f}' for r in residuals)})")
         full2048, causal4096 = timed(2048, False, mod), timed(4096, True, mod)
         work = [tasks * per_task for tasks, per_task in
                 (tiles(2048, *shapes[name][False], False), tiles(4096, *shapes[name][True], True))]
