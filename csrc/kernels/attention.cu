@@ -356,13 +356,14 @@ struct attn_prefill {
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
-    constexpr bool lazy = !(serial && Claims);
     const int row0 = rows_of(t, wg), col0 = (t.first + it) * KV;
-    if constexpr (!mask_once)
-      s.rescale_o = tk::attn::online_softmax<lazy>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t), row0, col0);
-    else
-      s.rescale_o = tk::attn::online_softmax<lazy>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t), row0, col0,
-                                                   [&] { return s.mask.masks(col0); });
+    const auto vis = visibility(g, t);
+    const auto masked = [&] {
+      if constexpr (mask_once) return s.mask.masks(col0);
+      else return vis.partial(row0, s_tile::rows, col0, KV);
+    };
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims)>(att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0,
+                                                                masked);
   }
 
   // The last tile's P V, issued while its V is still held. The tile's rows past the sequence's end hold

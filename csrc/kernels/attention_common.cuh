@@ -29,9 +29,9 @@ struct visibility {
     if (right >= 0) hi = min(hi, q + right);
     lo = left >= 0 ? q - left : INT_MIN / 2;
   }
-  // The same test as bounds on col0 (partial is true iff span.masks(col0)): tiles past `after` (keys past the
-  // end, causal, the window's right) or before `before` (the window's left). A kernel whose rows stay put over a
-  // task's tiles works these out once and tests two bounds a tile.
+  // partial's test as bounds on col0: tiles past `after` (keys past the end, causal, the window's right) or before
+  // `before` (the window's left). A kernel whose rows stay put over a task's tiles works these out once and tests
+  // two bounds a tile. (partial keeps its own expression: built on this, the serial D=128 kernel spilled.)
   struct span {
     int after, before;
     __device__ __forceinline__ bool masks(int col0) const { return (col0 > after) | (col0 < before); }

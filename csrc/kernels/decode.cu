@@ -501,7 +501,8 @@ __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_deco
     const long long units = r.cost(r.visible(b)), x = seq_at[b], y = x + p.hkv * units;
     if (units == 0) continue;
     if (y == total) p.cta_start[ctas] = (b + 1) * p.hkv;  // the last non-empty sequence
-    const long long c0 = div_floor(x * ctas + total - 1, total), c1 = min(div_floor(y * ctas + total - 1, total), (long long)ctas);
+    const long long c0 = div_floor(x * ctas + total - 1, total);
+    const long long c1 = min(div_floor(y * ctas + total - 1, total), (long long)ctas);
     if (c0 < c1) owner[c0] = b;
   }
   __syncthreads();

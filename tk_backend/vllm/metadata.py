@@ -58,12 +58,21 @@ class TKAttentionMetadata:
 MIN_SPLIT_DECODES = 8
 
 
+def _leading(lens, q_len: int) -> int:
+    """How many of the (numpy) query lengths `lens` at the front equal q_len."""
+    others = (lens != q_len).nonzero()[0]
+    return int(others[0]) if others.size else int(lens.size)
+
+
+def _query_lens(query_start_loc_cpu: torch.Tensor):
+    """The requests' query lengths from the host copy of query_start_loc (numpy: no sync, a few microseconds)."""
+    starts = query_start_loc_cpu.numpy()
+    return starts[1:] - starts[:-1]
+
+
 def leading_single_token_requests(query_start_loc_cpu: torch.Tensor) -> int:
     """How many requests at the front of the batch have exactly one query token (host copy: no sync)."""
-    lens = query_start_loc_cpu.numpy()
-    lens = lens[1:] - lens[:-1]
-    others = (lens != 1).nonzero()[0]
-    return int(others[0]) if len(others) else len(lens)
+    return _leading(_query_lens(query_start_loc_cpu), 1)
 
 
 def uniform_decode_shape(query_start_loc_cpu: torch.Tensor, max_query_len: int) -> tuple[int, int] | None:
@@ -73,12 +82,10 @@ def uniform_decode_shape(query_start_loc_cpu: torch.Tensor, max_query_len: int) 
     q_len = int(max_query_len)
     if not 1 <= q_len <= MAX_DECODE_Q_LEN:
         return None
-    starts = query_start_loc_cpu.numpy()
-    lens = starts[1:] - starts[:-1]
+    lens = _query_lens(query_start_loc_cpu)
     if lens.size == 0:
         return None
-    others = (lens != q_len).nonzero()[0]
-    num_full = int(others[0]) if others.size else lens.size  # leading requests of exactly q_len tokens
+    num_full = _leading(lens, q_len)  # leading requests of exactly q_len tokens
     if num_full == 0 or lens[num_full:].any():
         return None
     return int(lens.size), q_len
