@@ -1,6 +1,6 @@
 """Per-tile and per-task cost of the D=64 prefill, causal against full masks (session 24's lead in ab/README).
 
-    python3 ab/probe_prefill_tiles.py [--fa3]
+    python3 ab/probe_prefill_tiles.py [--fa3] [--d 128 --lengths 256,512,1024]
 
 Times tk (and FA3 with --fa3, when its wheel is importable) on D=64, 32 heads, 65536 tokens, at n = 1024, 2048
 and 4096, and fits time = tasks a CTA x (tiles a task x T + X) by least squares (residuals printed: a bad fit says
@@ -21,7 +21,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts
 import tk_backend  # noqa: E402
 from benchlib import time_per_call  # noqa: E402
 
-TOKENS, HEADS, D = 65536, 32, 64
+TOKENS, HEADS = 65536, 32
+D = 64  # --d
 
 
 def timed(n: int, causal: bool, fa3=None) -> float:
@@ -54,7 +55,11 @@ def fit(ms, shapes, ctas: int) -> tuple[float, float, list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fa3", action="store_true")
+    parser.add_argument("--d", type=int, default=64, choices=(64, 128))
+    parser.add_argument("--lengths", default="1024,2048,4096")
     args = parser.parse_args()
+    global D
+    D = args.d
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
     impls = {"tk": None}
     if args.fa3:
@@ -65,8 +70,12 @@ def main() -> None:
             print("no FA3 wheel: tk only")
     # the tile shapes each impl runs (tk: two consumers for D=64 causal up to 4096 keys, three otherwise;
     # FA3: 192 x 128 causal, 192 x 192 full)
+    # (D=128: tk two consumers causal up to 1024 keys, three otherwise; FA3 128 x 128 causal, 128 x 176 full)
     shapes = {"tk": {True: (128, 128), False: (192, 128)}, "fa3": {True: (192, 128), False: (192, 192)}}
-    lengths = (1024, 2048, 4096)  # tk's D=64 causal kernel changes (two consumers -> three) past 4096 keys
+    if D == 128:
+        shapes["fa3"] = {True: (128, 128), False: (128, 176)}
+    # tk's causal kernel changes (two consumers -> three) past 4096 keys at D=64, past 1024 at D=128
+    lengths = tuple(int(n) for n in args.lengths.split(","))
     for name, mod in impls.items():
         for causal in (True, False):
             bq, bk = shapes[name][causal]
@@ -75,12 +84,12 @@ def main() -> None:
             print(f"{name} {'causal' if causal else 'full  '} n={' / '.join(map(str, lengths))}: "
                   f"{' / '.join(f'{m:.4f}' for m in ms)} ms; T = {t:.3f} us a 128 x 128 tile, X = {x:.2f} us a "
                   f"task (fit residuals {' / '.join(f'{r:+.3f}' for r in residuals)})")
-        full2048, causal4096 = timed(2048, False, mod), timed(4096, True, mod)
+        n = lengths[-1]  # full masks over n / 2 keys beside causal over n: the same work
+        full_half, causal_n = timed(n // 2, False, mod), timed(n, True, mod)
         work = [tasks * per_task for tasks, per_task in
-                (tiles(2048, *shapes[name][False], False), tiles(4096, *shapes[name][True], True))]
-        print(f"{name} full n=2048 {full2048:.4f} ms, causal n=4096 {causal4096:.4f} ms: "
-              f"causal / full {causal4096 / full2048:.3f} (work ratio {work[1] / work[0]:.3f} in 128 x 128 tiles)")
-
+                (tiles(n // 2, *shapes[name][False], False), tiles(n, *shapes[name][True], True))]
+        print(f"{name} full n={n // 2} {full_half:.4f} ms, causal n={n} {causal_n:.4f} ms: "
+              f"causal / full {causal_n / full_half:.3f} (work ratio {work[1] / work[0]:.3f} in 128 x 128 tiles)")
 
 if __name__ == "__main__":
     main()
