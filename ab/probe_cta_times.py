@@ -41,7 +41,7 @@ def runner(plan, balanced, tile):
     def call():
         torch.ops.tk.attn_decode(q, k_cache, v_cache, seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,
                                  ws.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens, plan.coarsen_levels,
-                                 balanced, tile, d ** -0.5, True, -1, -1, 0.0, out, lse)
+                                 balanced, tile, False, d ** -0.5, True, -1, -1, 0.0, out, lse)
     return call
 
 

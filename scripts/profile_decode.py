@@ -55,7 +55,7 @@ def main() -> None:
     def kernel_only(i):
         torch.ops.tk.attn_decode(q, k, v, lens, table, ws.work_items, ws.cta_start, ws.partial_out, ws.partial_lse,
                                  plan.chunk_tokens, plan.item_overhead_tokens, plan.coarsen_levels, False,
-                                 decode_plan.kv_tile(plan, False), scale, True, -1,
+                                 decode_plan.kv_tile(plan, False), False, scale, True, -1,
                                  -1, 0.0, out, lse)
 
     parts = {

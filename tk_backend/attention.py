@@ -33,13 +33,14 @@ lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
 # Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
 # and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (a
-# schedule kernel),
+# schedule kernel; with reuse_schedule they already hold it, from an earlier call of the same schedule),
 # then runs the kernel and merges partial_out / partial_lse (see decode_plan's docstring for their layout).
 # The kernels are csrc/kernels/decode.cu; flash_attn_with_kvcache reaches them through _decode_split.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
-    "int chunk_tokens, int item_overhead, int coarsen_levels, bool balanced, int kv_tile, float softmax_scale, "
+    "int chunk_tokens, int item_overhead, int coarsen_levels, bool balanced, int kv_tile, bool reuse_schedule, "
+    "float softmax_scale, "
     "bool causal, int window_left, int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
 )
 
@@ -432,8 +433,24 @@ def balanced_mode(plan: decode_plan.DecodePlan, num_splits: int = 0) -> bool:
             and plan.num_ctas <= decode_balanced.MAX_CTAS)
 
 
+# What each workspace buffer's work list holds: the schedule key (see _reuses_schedule) of the call that built it,
+# by the buffer's address. flash_attn_with_kvcache's schedule_token lets a call skip the schedule kernel.
+_schedules: dict[int, tuple] = {}
+
+
+def _reuses_schedule(workspace: decode_plan.DecodeWorkspace, key: tuple, token: object) -> bool:
+    """Whether the workspace's work list is already this call's: built by a call with the same token and schedule
+    key (plan, mode, window, sequence-length tensor), the last on that buffer, and in the same mode of execution
+    (a call captured into a CUDA graph is not run then, so an eager call may not reuse it, nor a captured call an
+    eager one's). Records this call's."""
+    entry = (token, key, torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    held = _schedules.get(workspace.work_items.data_ptr())
+    _schedules[workspace.work_items.data_ptr()] = entry
+    return token is not None and held == entry
+
+
 def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out,
-                  plan: decode_plan.DecodePlan | None = None):
+                  plan: decode_plan.DecodePlan | None = None, schedule_token: object = None):
     """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows); `plan` overrides
     the planner and its static schedule runs as given (scripts/tune.py times chunks with it)."""
     bsz, q_len, hq, d = q.shape
@@ -455,11 +472,15 @@ def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal
     q = _addressable_copy(q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
+    kv_tile = decode_plan.kv_tile(plan, balanced)
+    # What the schedule depends on: the plan (batch, q_len, heads, block-table width), the mode, the window and the
+    # lengths (the caller's promise for one token; their tensor here, so another slice of them rebuilds).
+    key = (plan, balanced, kv_tile, causal, window, cache_seqlens.data_ptr(), tuple(cache_seqlens.shape))
     torch.ops.tk.attn_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
         workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens,
-        plan.coarsen_levels, balanced, decode_plan.kv_tile(plan, balanced), scale, causal, window[0], window[1],
-        softcap, out, lse,
+        plan.coarsen_levels, balanced, kv_tile, _reuses_schedule(workspace, key, schedule_token), scale, causal,
+        window[0], window[1], softcap, out, lse,
     )
     return out, lse
 
@@ -477,6 +498,8 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     out: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
+    *,
+    schedule_token: object = None,
 ):
     """Paged decode: q [B, q_len, Hq, D] (q_len 1..16) against caches [num_blocks, block_size, Hkv, D].
 
@@ -485,6 +508,11 @@ def flash_attn_with_kvcache(
     tile, this runs the split-KV decode kernel on decode_plan's per-shape plan (num_splits > 0 forces the
     split count); larger groups run on the paged prefill kernel. Returns out [B, q_len, Hq, D], or
     (out, lse [B, Hq, q_len] float32) with return_softmax_lse.
+
+    schedule_token (hashable, e.g. one object a decode step): calls that pass the same token promise the same
+    cache_seqlens values; the first builds the split kernel's work list on the device and the next ones with the
+    same plan, window and cache_seqlens tensor reuse it (no schedule kernel) while no other call has rebuilt it.
+    vLLM's backend passes one token a step, so the layers of a step build the work list once.
     """
     scale, window, softcap = validate_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, num_splits, out,
@@ -496,7 +524,7 @@ def flash_attn_with_kvcache(
         check_block_table(block_table, cache_seqlens, num_blocks, block_size)
     if q_len * (hq // hkv) <= 64 and os.environ.get("TK_DECODE_KERNEL", "split") != "prefill":
         out, lse = _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap,
-                                 num_splits, out)
+                                 num_splits, out, schedule_token=schedule_token)
         return (out, lse) if return_softmax_lse else out
     # Too many rows per kv head for one tile (or TK_DECODE_KERNEL=prefill, a debugging fallback): the paged
     # prefill kernel, where each sequence's q_len queries are the last q_len positions of its keys.

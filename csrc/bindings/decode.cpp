@@ -23,7 +23,7 @@ void float_contiguous(const at::Tensor& t, const at::Tensor& q, const char* name
 void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& cache_seqlens, const at::Tensor& block_table, at::Tensor& work_items,
                  at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
-                 int64_t item_overhead, int64_t coarsen_levels, bool balanced, int64_t kv_tile,
+                 int64_t item_overhead, int64_t coarsen_levels, bool balanced, int64_t kv_tile, bool reuse_schedule,
                  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
                  at::Tensor& out, at::Tensor& lse) {
   chk::cuda(q, "q");
@@ -116,6 +116,7 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.item_overhead = int(item_overhead);
   p.coarsen_levels = int(coarsen_levels);
   p.balanced = balanced;
+  p.reuse_schedule = reuse_schedule;
   p.kv_tile = int(kv_tile);
   p.max_context = int(max_context);
   p.causal = causal;

@@ -46,7 +46,7 @@ struct attn_prefill {
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
   // release order): K_j goes back as soon as S_j = Q K_j^T has run, V_j once P_j V_j has, so the producer
   // refills a K slot half a tile earlier, and 4 slots of 80 rows (2 K/V tiles) fit where coupled pairs
-  // would have to be 48 rows to keep 3 of them. D=128 with two consumers (causal over <= 1024 keys) staggers
+  // would have to be 48 rows to keep 3 of them. D=128 with two consumers (over <= 1024 keys) staggers
   // 4 slots of 128 rows, FA3's hdim-128 layout, with queries ahead: causal n=1024 0.960 of coupled pairs without
   // queries ahead (session 21; 6 slots with the queries' own buffer 0.992). (Staggered slots with main's tiles
   // measured 1-4% slower at D=64 and 44% slower paged at D=128 with three consumers, which keep their pairs.)
@@ -444,9 +444,12 @@ inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim, in
 // the H200, same-call A/B against two consumers: full 0.89-0.98, causal n=16384 0.91-0.98, varlen causal up
 // to 8000 tokens 0.95, a 4k chunk over a 28k prefix 0.89; but causal n=1024 and n=4096 1.06-1.12). At D=128
 // claimed tasks (attn_prefill::dynamic) turn causal n=4096 around: 0.96 of two strided consumers' time
-// (session 10); n=1024 stays at two (1.10 with claims).
+// (session 10); n=1024 stays at two (1.10 with claims). D=128 full masks over <= 1024 keys take two as well: a
+// 1024-token sequence leaves the last 192-row block a third full, and the serial order runs that block's one
+// consumer alone (session 25, same-call A/B: b64 n=1024 full 0.968, the rest within the run's 1-3% drift).
 inline bool three_consumers(const tk::attn_varlen_problem& p) {
-  return p.head_dim <= 128 && (!p.causal || p.max_seqlen_k > (p.head_dim == 128 ? 1024 : 4096));
+  if (p.head_dim == 128) return p.max_seqlen_k > 1024;
+  return p.head_dim == 64 && (!p.causal || p.max_seqlen_k > 4096);
 }
 
 template <typename T, int D, int C, bool Claims = false>

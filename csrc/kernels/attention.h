@@ -63,6 +63,9 @@ struct attn_decode_problem {
   // chunk_tokens / coarsen_levels unused, work_items holds the stream offsets (int64 [batch + 1]), partial_out /
   // partial_lse two slots a CTA (max_items >= 2 * num_ctas).
   bool balanced;
+  // work_items / cta_start already hold this call's schedule (an earlier call with the same plan, mode, window and
+  // cache_seqlens wrote them: the step's first layer): the schedule kernel is not launched.
+  bool reuse_schedule;
   int kv_tile;  // keys a K/V tile at D=128: 64 or 128 (decode_plan.kv_tile); 128 at other head dims
   bool causal;
   int window_left, window_right;

@@ -667,14 +667,16 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.lse = p.lse;
   g.hq = p.hq;
   if (g.balanced) {
-    build_balanced<K::KV><<<1, SCHEDULE_THREADS, 0, stream>>>(p);
-    TK_LAUNCH_CHECK();
+    if (!p.reuse_schedule) {
+      build_balanced<K::KV><<<1, SCHEDULE_THREADS, 0, stream>>>(p);
+      TK_LAUNCH_CHECK();
+    }
     lcsf::launch<K>(g, p.num_ctas, stream);
     chain::launch(merge_balanced<T, K::KV>, p.batch * p.hkv * rows, D, 2 * (p.num_ctas + 1) * sizeof(int), stream, p,
                   group);
     return;
   }
-  if (!g.direct) {
+  if (!g.direct && !p.reuse_schedule) {
     build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
     TK_LAUNCH_CHECK();
   }

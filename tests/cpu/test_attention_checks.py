@@ -174,9 +174,8 @@ def test_fake_shapes():
                                  -1, -1, 0.0, _t(10, 8, 128), _t(8, 10, dtype=torch.float32))
     torch.ops.tk.attn_decode(
         _t(3, 1, 8, 128), kv[..., :128], kv[..., 128:], _i(3), _i(3, 4), _i(30, 4), _i(133),
-        _t(30, 1, 4, 128, dtype=torch.float32), _t(30, 1, 4, dtype=torch.float32), 256, 64, 0, False, 128, 0.1, True, -1, 0,
-        0.0,
-        _t(3, 1, 8, 128), _t(3, 8, 1, dtype=torch.float32))
+        _t(30, 1, 4, 128, dtype=torch.float32), _t(30, 1, 4, dtype=torch.float32), 256, 64, 0, False, 128, False,
+        0.1, True, -1, 0, 0.0, _t(3, 1, 8, 128), _t(3, 8, 1, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------------------------------ block table

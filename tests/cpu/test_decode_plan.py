@@ -384,3 +384,24 @@ def test_tune_buckets_tile_every_dimension_and_fit_in_memory():
         for _, _, c in tune.CONTEXT:
             rb = tune.representative_batch(b, c)
             assert 1 <= rb <= b and rb * c * tune.HKV * tune.D * 4 <= tune.KV_BYTES_CAP
+
+
+def test_schedule_reuse_needs_the_same_token_key_and_buffer():
+    """attention._reuses_schedule: a decode call skips the schedule kernel only when the workspace's work list was
+    built by the last call on that buffer, with its token and schedule key (plan, mode, window, lengths)."""
+    from tk_backend import attention
+
+    plan, other = _plan(4, 1024), _plan(4, 2048)
+    ws = decode_plan.DecodeWorkspace.allocate(plan, "cpu", items=2 * max(plan.max_items, other.max_items))
+    second = decode_plan.DecodeWorkspace.allocate(plan, "cpu")
+    key, other_key, window_key = (plan, False), (other, False), (plan, False, (64, 0))
+    reuses = attention._reuses_schedule
+    assert not reuses(ws, key, 1)  # the step's first call builds
+    assert reuses(ws, key, 1) and reuses(ws, key, 1)  # its other layers reuse
+    assert not reuses(second, key, 1)  # another buffer holds nothing of step 1
+    assert not reuses(ws, other_key, 1)  # another plan (e.g. another block-table width) rebuilds
+    assert not reuses(ws, key, 1)  # ... and then the first plan's work list is gone
+    assert not reuses(ws, window_key, 1) and not reuses(ws, key, 1)  # alternating windows: each rebuilds
+    assert not reuses(ws, key, 2) and reuses(ws, key, 2)  # the next step
+    assert not reuses(ws, key, None) and not reuses(ws, key, None)  # no token: always built
+    assert not reuses(ws, key, 2)  # a tokenless call rebuilt the buffer in between

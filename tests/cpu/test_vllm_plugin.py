@@ -346,6 +346,26 @@ def test_builder_chooses_the_decode_op_only_for_uniform_batches(query_lens, seq_
     # update_block_table keeps everything else.
     other = builder().update_block_table(md, block_table + 100, torch.zeros(3))
     assert torch.equal(other.block_table, block_table + 100) and other.decode_batch == md.decode_batch
+    assert other.schedule_token == md.schedule_token  # the same step: the same lengths
+
+
+def test_every_build_gets_its_own_schedule_token_and_every_decode_call_passes_it(kernels):
+    """The decode op's schedule_token: a fresh one each build (a step; whichever builder builds it), passed by
+    each decode call of the step, so the step's first layer builds the work list and the others reuse it."""
+    block_table = torch.arange(16, dtype=torch.int32).view(2, 8)
+    cm = common_metadata([1, 1], [9, 30], block_table, torch.arange(2))
+    tokens = [builder().build(0, cm).schedule_token, builder().build(0, cm).schedule_token]
+    assert tokens[0] >= 0 and tokens[1] > tokens[0]
+    sim = ServingSimulation(8, 2, 64, prompt_lens=[20, 30, 40] + [10] * MIN_SPLIT_DECODES)
+    n = 3 + MIN_SPLIT_DECODES
+    sim.step({r: 10 for r in range(n)})
+    kernels.calls.clear()
+    kernels.schedule_tokens.clear()
+    sim.step({r: 1 for r in range(n)})  # uniform decode
+    sim.step({**{r: 1 for r in range(n - 1)}, n - 1: 5})  # mixed: the leading decodes split off
+    assert kernels.calls == [f"decode({n}, 1)", f"decode({n - 1}, 1)", "varlen"]
+    first, second = kernels.schedule_tokens
+    assert isinstance(first, int) and second > first > tokens[1]
 
 
 @pytest.mark.parametrize("decodes,expect_split", [(MIN_SPLIT_DECODES, True), (MIN_SPLIT_DECODES - 1, False)])
@@ -385,6 +405,7 @@ class _KernelStandIns:
     def __init__(self):
         self.calls: list[str] = []
         self.decode_table_widths: list[int] = []
+        self.schedule_tokens: list[object] = []  # each decode call's
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
@@ -403,11 +424,13 @@ class _KernelStandIns:
         return out
 
     def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
-                     window_size=(-1, -1), softcap=0.0, num_splits=0, out=None, return_softmax_lse=False):
+                     window_size=(-1, -1), softcap=0.0, num_splits=0, out=None, return_softmax_lse=False, *,
+                     schedule_token=None):
         meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, cache_seqlens, block_table, out)]
         attention.validate_decode(*meta[:5], softmax_scale, causal, window_size, softcap, num_splits, meta[5])
         self.calls.append(f"decode{tuple(q.shape[:2])}")
         self.decode_table_widths.append(block_table.shape[1])
+        self.schedule_tokens.append(schedule_token)
         o, _ = reference.decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
                                 window_size, softcap)
         out.copy_(o)

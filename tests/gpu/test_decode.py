@@ -282,3 +282,70 @@ def test_column_slice_of_a_wide_table(seed):
     ref, _ = reference.decode(q, k_cache, v_cache, seqlens, table)
     assert torch.equal(out, same)
     assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"column slice seed={seed}")
+
+
+@pytest.mark.parametrize("mode", ["static", "balanced"])
+def test_layers_of_a_step_reuse_the_schedule(mode, seed, monkeypatch):
+    """Three "layers" of a step (their own caches and queries; the step's lengths tensor and one schedule_token):
+    the first builds the work list, the others reuse it (no schedule kernel); a call with other lengths in between
+    rebuilds the buffer, and the step's next layer must rebuild too. Then the step under CUDA-graph capture (a
+    fresh token, as vLLM's builder gives each capture run), replayed with changed lengths. Every output against
+    the reference."""
+    rng = random.Random(seed)
+    hkv, group, d, block_size = 2, 4, 128, 16
+    if mode == "static":
+        batch, width, longest = 64, 6000, 6000
+    else:  # short contexts under a max_model_len-wide table: balanced mode
+        batch, width, longest = 8, 131072, 1024
+    decisions = []
+    real = _attention._reuses_schedule
+    monkeypatch.setattr(_attention, "_reuses_schedule", lambda *a: decisions.append(real(*a)) or decisions[-1])
+
+    def lengths():
+        return [rng.randint(1, longest) for _ in range(batch)]
+
+    def layer():
+        k_cache, v_cache, table = _cache(rng, batch, [longest] * batch, block_size, hkv, d)
+        pad = width // block_size - table.shape[1]
+        if pad > 0:
+            table = torch.cat([table, table[:, :1].expand(batch, pad)], 1).contiguous()
+        q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+        return q, k_cache, v_cache, table, torch.full_like(q, float("nan"))
+
+    def check(layers, lens, what):
+        for i, (q, k_cache, v_cache, table, out) in enumerate(layers):
+            ref, _ = reference.decode(q, k_cache, v_cache, lens, table)
+            assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"{mode} layer {i} {what} seed={seed}")
+
+    layers = [layer() for _ in range(4)]
+    lens = torch.tensor(lengths(), dtype=torch.int32, device="cuda")
+    num_sms, name = _attention._device_info(lens.device)
+    table_width = layers[0][3].shape[1] * block_size  # every layer's: one plan
+    plan = decode_plan.make_plan(batch, table_width, 1, hkv * group, hkv, d, block_size, num_sms, -1, 0, name)
+    assert _attention.balanced_mode(plan) == (mode == "balanced"), plan
+    token = ("test step", seed)
+    for q, k_cache, v_cache, table, out in layers[:3]:
+        tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, out=out, schedule_token=token)
+    q, k_cache, v_cache, table, _ = layer()  # another call on the same workspace, with other lengths
+    other = torch.tensor(lengths(), dtype=torch.int32, device="cuda")
+    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, other, table)
+    q, k_cache, v_cache, table, out = layers[3]
+    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, out=out, schedule_token=token)
+    torch.cuda.synchronize()
+    assert decisions == [False, True, True, False, False]
+    check(layers, lens, "eager")
+
+    decisions.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        capture_token = ("captured step", seed)
+        for q, k_cache, v_cache, table, out in layers:
+            tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, out=out, schedule_token=capture_token)
+    assert decisions == [False, True, True, True]
+    for replay in range(2):
+        lens.copy_(torch.tensor(lengths(), dtype=torch.int32))
+        for _, _, _, _, out in layers:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(layers, lens, f"graph replay {replay}")

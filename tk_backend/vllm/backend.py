@@ -266,7 +266,7 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
             flash_attn_with_kvcache(
                 query[:rows].view(shape), key_cache, value_cache, md.seq_lens, table,
                 softmax_scale=self.scale, causal=True, window_size=self.window_size, softcap=self.softcap,
-                out=output[:rows].view(shape),
+                out=output[:rows].view(shape), schedule_token=md.schedule_token,
             )
             return output
         n, d = md.num_actual_tokens, md.num_decodes
@@ -275,7 +275,7 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
             flash_attn_with_kvcache(
                 query[:d].view(shape), key_cache, value_cache, md.seq_lens[:d], table[:d],
                 softmax_scale=self.scale, causal=True, window_size=self.window_size, softcap=self.softcap,
-                out=output[:d].view(shape),
+                out=output[:d].view(shape), schedule_token=md.schedule_token,
             )
         query_start_loc = md.prefill_query_start_loc if d > 0 else md.query_start_loc
         flash_attn_varlen_func(

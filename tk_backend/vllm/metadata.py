@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import torch
 from vllm.v1.attention.backend import (
@@ -47,11 +48,16 @@ class TKAttentionMetadata:
     # shifted to start at 0).
     num_decodes: int = 0
     prefill_query_start_loc: torch.Tensor | None = None
+    # One a build (a step): the decode op's schedule_token, so the step's layers build its work list once.
+    schedule_token: int = -1
 
     @property
     def is_uniform_decode(self) -> bool:
         return self.decode_batch > 0
 
+
+# Each build's schedule_token (a fresh one a step, whichever builder builds it).
+_schedule_tokens = itertools.count()
 
 # A mixed batch's leading single-token requests go through the decode op when there are at least this many;
 # fewer cost the prefill kernel little, next to the decode op's three launches. An estimate, not yet tuned.
@@ -143,6 +149,7 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
             decode_query_len=decode_query_len,
             num_decodes=num_decodes,
             prefill_query_start_loc=prefill_query_start_loc,
+            schedule_token=next(_schedule_tokens),
         )
 
     def update_block_table(
