@@ -1,12 +1,12 @@
-"""Per-tile and per-task cost of the D=64 prefill, causal against full masks (session 24's lead in ab/README).
+"""Per-tile and per-task cost of the prefill, causal against full masks (session 24's lead in ab/README).
 
     python3 ab/probe_prefill_tiles.py [--fa3] [--d 128 --lengths 256,512,1024]
 
-Times tk (and FA3 with --fa3, when its wheel is importable) on D=64, 32 heads, 65536 tokens, at n = 1024, 2048
-and 4096, and fits time = tasks a CTA x (tiles a task x T + X) by least squares (residuals printed: a bad fit says
-the model misses something): T is the time of one 128 x 128 key-query tile, X the cost of a task. It also times full masks at n=2048 (16 tiles
-a task, 16384 tasks) beside causal n=4096 (16.5 tiles a task, 16384 tasks): the same shape of work, so what the
-causal run costs beyond it is the mask, the order and the unequal lengths.
+Times tk (and FA3 with --fa3, when its wheel is importable) at head dim --d (64 or 128), 32 heads, 65536 tokens, at
+the --lengths (default 1024, 2048, 4096), and fits time = tasks a CTA x (tiles a task x T + X) by least squares
+(residuals printed: a bad fit says the model misses something): T is the time of one 128 x 128 key-query tile, X
+the cost of a task. It also times full masks over n / 2 keys beside causal over n (n the longest length): the same
+tile work, so what the causal run costs beyond it is the mask, the order and the unequal lengths.
 """
 from __future__ import annotations
 
