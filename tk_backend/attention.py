@@ -473,9 +473,10 @@ def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
     kv_tile = decode_plan.kv_tile(plan, balanced)
-    # What the schedule depends on: the plan (batch, q_len, heads, block-table width), the mode, the window and the
-    # lengths (the caller's promise for one token; their tensor here, so another slice of them rebuilds).
-    key = (plan, balanced, kv_tile, causal, window, cache_seqlens.data_ptr(), tuple(cache_seqlens.shape))
+    # What the schedule depends on: the plan (batch, q_len, heads, block-table width), the mode (which fixes the kv
+    # tile), the window and the lengths (the caller's promise for one token; their tensor here, so another slice of
+    # them rebuilds).
+    key = (plan, balanced, causal, window, cache_seqlens.data_ptr(), tuple(cache_seqlens.shape))
     torch.ops.tk.attn_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
         workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens,
