@@ -2,7 +2,8 @@
 
     python3 scripts/ncu_pair.py prefill [B H N D] [--causal] [--stalls]  # tk's prefill kernel vs FA3's, same inputs
     python3 scripts/ncu_pair.py prefill [B H N D] [--causal] --sass      # tk's kernel alone: stall samples per SASS
-                                                                         # instruction (where its warps wait)
+                                                                         # instruction (where its warps wait);
+                                                                         # --side fa3 samples FA3's instead
     python3 scripts/ncu_pair.py based_step                     # tk's Based decode step vs a copy of its bytes
     python3 scripts/ncu_pair.py gemm [M N K]                   # tk's GEMM vs cuBLAS (torch.matmul), bf16
     python3 scripts/ncu_pair.py ssd                            # tk's Mamba-2 scan: the bench's paper case
@@ -198,7 +199,8 @@ def main() -> int:
     parser.add_argument("shape", nargs="*", type=int, default=[16, 16, 4096, 128])
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stalls", action="store_true", help="add the stall reasons (see STALLS)")
-    parser.add_argument("--sass", action="store_true", help="tk's kernel alone: stall samples per instruction")
+    parser.add_argument("--sass", action="store_true", help="one side's kernel alone: stall samples per instruction")
+    parser.add_argument("--side", help="with --sass, the side to sample (default tk; e.g. fa3 for its same-shape kernel)")
     parser.add_argument("--peer", choices=["fa3", "vllm_fa3"], default="fa3", help="decode's peer (default fa3)")
     parser.add_argument("--tables", action="store_true",
                         help="add the memory tables (L1 / L2 / DRAM traffic and hit rates by kind of access)")
@@ -225,8 +227,11 @@ def main() -> int:
                  for s, regex in (("tk", "based_step"), ("copy", "direct_copy"))}
     suffix = "_causal" if args.causal else ""  # so that a full and a causal run in one call keep both files
     if args.sass:
-        command, regex = next(iter(sides.values()))
-        return sass_hotspots(command, regex, f"{next(iter(sides))}_{'_'.join(map(str, args.shape))}{suffix}", out)
+        side = args.side or next(iter(sides))
+        if side not in sides:
+            parser.error(f"--side {side}: {args.what} has the sides {list(sides)}")
+        command, regex = sides[side]
+        return sass_hotspots(command, regex, f"{side}_{'_'.join(map(str, args.shape))}{suffix}", out)
     results = {label: run_side(cmd, regex, label + suffix, out, args.stalls, args.tables)
                for label, (cmd, regex) in sides.items()}
     a, b = results
