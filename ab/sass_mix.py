@@ -12,10 +12,11 @@ shares. A TRYWAIT executed far more often than the arrive it waits for is a spin
 from __future__ import annotations
 
 import collections
-import csv
-import io
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from ncu_pair import count, source_rows  # noqa: E402
 
 SOFTMAX_FLOAT = {"FFMA", "FMUL", "FADD", "FSETP", "FSEL", "F2FP", "FMNMX", "MUFU"}
 INTEGER = {"ISETP", "IMAD", "IADD3", "LOP3", "SHF", "LEA", "SEL", "MOV", "S2R", "S2UR", "R2UR", "PRMT", "IMNMX",
@@ -25,16 +26,8 @@ CONTROL = {"BRA", "EXIT", "BSSY", "BSYNC", "CALL", "RET", "NOP", "YIELD", "BMOV"
 
 
 def load(page: Path) -> list[dict]:
-    lines = page.read_text().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), len(lines))
-    def num(row: dict, key: str) -> float:  # ncu writes "1,234", "" or "-"
-        try:
-            return float((row.get(key) or "0").replace(",", "") or 0)
-        except ValueError:
-            return 0.0
-    return [{"src": r["Source"].strip(), "samples": num(r, "Warp Stall Sampling (All Samples)"),
-             "executed": num(r, "Instructions Executed")}
-            for r in csv.DictReader(io.StringIO("\n".join(lines[start:])))]
+    return [{"src": r["Source"].strip(), "samples": count(r, "Warp Stall Sampling (All Samples)"),
+             "executed": count(r, "Instructions Executed")} for r in source_rows(page.read_text())]
 
 
 def opcode(src: str) -> str:

@@ -148,6 +148,22 @@ def run_side(command: list[str], kernel_regex: str, label: str, out: Path, stall
     return metrics
 
 
+def source_rows(page: str) -> list[dict]:
+    """The per-instruction table of ncu's source page (`--page source --print-source sass`, CSV): the page opens
+    with a "Kernel Name" line; the table's header is the line that starts with "Address"."""
+    lines = page.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), len(lines))
+    return list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+
+
+def count(row: dict, key: str) -> float:
+    """A numeric cell of the source page: ncu writes "1,234", "" or "-"."""
+    try:
+        return float((row.get(key) or "0").replace(",", "") or 0)
+    except ValueError:
+        return 0.0
+
+
 def sass_hotspots(command: list[str], kernel_regex: str, label: str, out: Path, top: int = 60) -> int:
     """tk's kernel alone under the SourceCounters section: ncu samples each warp's program counter and stall reason,
     and the source page lists them per SASS instruction. Saves the whole page ($OUT/ncu/sass_LABEL.csv) and prints
@@ -162,20 +178,12 @@ def sass_hotspots(command: list[str], kernel_regex: str, label: str, out: Path, 
     page = subprocess.run(["ncu", "--import", f"{rep}.ncu-rep", "--csv", "--page", "source", "--print-source", "sass"],
                           capture_output=True, text=True, timeout=600)
     (out / f"sass_{label}.csv").write_text(page.stdout)
-    # The page opens with a "Kernel Name" line; the table's header is the line that starts with "Address".
-    lines = page.stdout.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), len(lines))
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    rows = source_rows(page.stdout)
     key = next((k for k in (rows[0] if rows else {}) if k.startswith("Warp Stall Sampling (All")), None)
     if key is None:
         print(f"{label}: no stall samples on the source page (exit {page.returncode}):\n{page.stderr[-2000:]}\n"
               f"columns: {list(rows[0]) if rows else []}")
         return 1
-    def count(row: dict, k: str) -> float:  # ncu writes "1,234", "" or "-"
-        try:
-            return float(row[k].replace(",", "") or 0)
-        except ValueError:
-            return 0.0
     def samples(row: dict) -> float:
         return count(row, key)
     total = sum(samples(r) for r in rows) or 1.0
