@@ -32,8 +32,9 @@ _VARLEN_ARGS = (
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
 # Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
-# and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (a
-# schedule kernel; with reuse_schedule they already hold it, from an earlier call of the same schedule),
+# and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (each
+# CTA of the split kernel works out and writes its own range, or in balanced mode a schedule kernel runs first;
+# with reuse_schedule they already hold it, from an earlier call of the same schedule),
 # then runs the kernel and merges partial_out / partial_lse (see decode_plan's docstring for their layout).
 # The kernels are csrc/kernels/decode.cu; flash_attn_with_kvcache reaches them through _decode_split.
 lib.define(
@@ -434,7 +435,7 @@ def balanced_mode(plan: decode_plan.DecodePlan, num_splits: int = 0) -> bool:
 
 
 # What each workspace buffer's work list holds: the schedule key (see _reuses_schedule) of the call that built it,
-# by the buffer's address. flash_attn_with_kvcache's schedule_token lets a call skip the schedule kernel.
+# by the buffer's address. flash_attn_with_kvcache's schedule_token lets a call skip building the schedule.
 _schedules: dict[int, tuple] = {}
 
 
@@ -512,7 +513,7 @@ def flash_attn_with_kvcache(
 
     schedule_token (hashable, e.g. one object a decode step): calls that pass the same token promise the same
     cache_seqlens values; the first builds the split kernel's work list on the device and the next ones with the
-    same plan, window and cache_seqlens tensor reuse it (no schedule kernel) while no other call has rebuilt it.
+    same plan, window and cache_seqlens tensor reuse it (not working it out again) while no other call has rebuilt it.
     vLLM's backend passes one token a step, so the layers of a step build the work list once.
     """
     scale, window, softcap = validate_decode(

@@ -7,8 +7,9 @@ Two halves, so that decode can be captured in a CUDA graph for a fixed batch siz
   number of persistent CTAs (the SM count), and so every workspace size.
 * `build_work_list` (device, per step): reads the per-sequence context lengths, which exist only on the
   device, and fills a preallocated `DecodeWorkspace` with torch ops only: no host sync, no data-dependent
-  shapes, the same kernels on every replay. The decode op's schedule kernel (csrc/kernels/decode.cu) computes
-  exactly this in one launch; this version is its specification and the CPU tests' subject.
+  shapes, the same kernels on every replay. The decode kernel (csrc/kernels/decode.cu) computes exactly this,
+  each CTA its own range (`cta_range`) and its items, with no kernel launched before it; this version is its
+  specification and the CPU tests' subject.
 
 Work decomposition
     A segment is (sequence b, kv head h): all q_len * (Hq // Hkv) query rows that read kv head h, against the
@@ -169,7 +170,7 @@ def _max_splits(chunk: int, max_context: int, q_len: int, window_left: int) -> i
     return max(splits, 1)
 
 
-# The schedule kernel keeps one cost per candidate chunk in registers: at most this many doublings.
+# The decode kernel's step-chunk choice keeps one cost per candidate chunk in registers: at most this many doublings.
 MAX_COARSEN_LEVELS = 15
 
 
@@ -389,38 +390,39 @@ def item_cost(plan: DecodePlan, length: int, s: int, chunk: int | None = None) -
     return end - start + plan.item_overhead_tokens
 
 
-def first_slot_at(plan: DecodePlan, lengths: list[int], target: int, chunk: int | None = None) -> int:
-    """The first slot i whose cost prefix has num_ctas * before_i >= target (max_items if none), computed per
-    sequence rather than per slot: what a decode CTA evaluates for its own range (cta_start[c] is
-    first_slot_at(c * total) for c < num_ctas). Equals searchsorted over build_work_list's prefix."""
-    ctas, hkv, splits = plan.num_ctas, plan.num_kv_heads, plan.max_splits
-    if target <= 0:
-        return 0
-    seq_before, b_star = 0, -1  # the last sequence whose first slot's prefix is below the target
+def slot_after(plan: DecodePlan, lengths: list[int], target: int, chunk: int | None = None) -> int:
+    """One past the first slot i whose cost prefix end E_i = before_i + cost_i reaches `target` (E_i >= target
+    >= 1), computed per sequence rather than per slot, as each decode CTA does for its own range (self_schedule in
+    csrc/kernels/decode.cu): the sequence b whose units (before_b, before_b + cost_b] hold the target, then its kv
+    head by a division, then the item by one more (a segment's items but its last are whole chunks)."""
+    chunk = chunk or plan.chunk_tokens
+    hkv, splits, overhead = plan.num_kv_heads, plan.max_splits, plan.item_overhead_tokens
+    before = 0
     for b, length in enumerate(lengths):
-        if seq_before * ctas >= target:
-            break
-        b_star, star_before = b, seq_before
-        seq_before += hkv * segment(plan, length, chunk)[3]
-    seg = segment(plan, lengths[b_star], chunk)[3]
-    rest = target - star_before * ctas
-    h = min(hkv - 1, max(0, rest // (seg * ctas) - 1)) if seg > 0 else hkv
-    for h in range(h, hkv):
-        before = h * seg
-        for s in range(splits):
-            if before * ctas >= rest:
-                return (b_star * hkv + h) * splits + s
-            before += item_cost(plan, lengths[b_star], s, chunk)
-    return (b_star + 1) * hkv * splits
+        lo, first, chunks, seg = segment(plan, length, chunk)
+        if before < target <= before + hkv * seg:
+            off = target - before
+            h = (off - 1) // seg
+            need = off - h * seg + (lo - first * chunk)
+            s = min(_ceil_div(need, chunk + overhead) - 1, chunks - 1)
+            return (b * hkv + h) * splits + s + 1
+        before += hkv * seg
+    raise ValueError(f"target {target} past the step's total cost {before}")
 
 
-def end_of_work(plan: DecodePlan, lengths: list[int], chunk: int | None = None) -> int:
-    """One past the last slot with work (0 if none): the end marker cta_start[num_ctas]."""
-    for b in reversed(range(len(lengths))):
-        chunks = segment(plan, lengths[b], chunk)[2]
-        if chunks:
-            return ((b + 1) * plan.num_kv_heads - 1) * plan.max_splits + chunks
-    return 0
+def cta_range(plan: DecodePlan, lengths: list[int], cta: int, chunk: int | None = None) -> tuple[int, int]:
+    """The slots [start, end) CTA `cta` runs: workspace.cta_start[cta], workspace.cta_start[cta + 1] (at the
+    step's chunk, if coarsened). cta_start[c] is one past the first slot whose E_i * num_ctas >= c * total, i.e.
+    slot_after(ceil(c * total / num_ctas)); cta_start[0] = 0, and cta_start[num_ctas] = slot_after(total) is one
+    past the last slot with work."""
+    total = plan.num_kv_heads * sum(segment(plan, length, chunk)[3] for length in lengths)
+    if total == 0:
+        return (0, 0)
+
+    def bound(c: int) -> int:
+        return 0 if c == 0 else slot_after(plan, lengths, _ceil_div(c * total, plan.num_ctas), chunk)
+
+    return bound(cta), bound(cta + 1)
 
 
 def next_slot(plan: DecodePlan, lengths: list[int], slot: int, chunk: int | None = None) -> int:
@@ -430,20 +432,6 @@ def next_slot(plan: DecodePlan, lengths: list[int], slot: int, chunk: int | None
     if slot % plan.max_splits + 1 < segment(plan, lengths[b], chunk)[2]:
         return slot + 1
     return (slot // plan.max_splits + 1) * plan.max_splits
-
-
-def cta_range(plan: DecodePlan, lengths: list[int], cta: int, chunk: int | None = None) -> tuple[int, int]:
-    """The slots [start, end) CTA `cta` runs: workspace.cta_start[cta], workspace.cta_start[cta + 1] (at the
-    step's chunk, if coarsened)."""
-    total = plan.num_kv_heads * sum(segment(plan, length, chunk)[3] for length in lengths)
-    if total == 0:
-        return (0, 0)
-
-    def bound(c: int) -> int:
-        return end_of_work(plan, lengths, chunk) if c >= plan.num_ctas else first_slot_at(plan, lengths, c * total,
-                                                                                           chunk)
-
-    return bound(cta), bound(cta + 1)
 
 
 def merge_partials(

@@ -49,8 +49,8 @@ struct attn_decode_problem {
   const int* cache_seqlens;         // [batch]
   const int* block_table;           // [batch, bt_stride]
   long bt_stride;
-  int* work_items;  // [max_items, 4], written by the schedule kernel
-  int* cta_start;   // [num_ctas + 1], written by the schedule kernel
+  int* work_items;  // [max_items, 4], written by the decode kernel's CTAs (each works out its own range)
+  int* cta_start;   // [num_ctas + 1], likewise
   float* partial_out;     // [max_items, q_len * group, D]
   float* partial_lse;     // [max_items, q_len * group]
   void* out;              // [batch, q_len, hq, D]
@@ -64,7 +64,7 @@ struct attn_decode_problem {
   // partial_lse two slots a CTA (max_items >= 2 * num_ctas).
   bool balanced;
   // work_items / cta_start already hold this call's schedule (an earlier call with the same plan, mode, window and
-  // cache_seqlens wrote them: the step's first layer): the schedule kernel is not launched.
+  // cache_seqlens wrote them: the step's first layer): the CTAs read their ranges instead of working them out.
   bool reuse_schedule;
   int kv_tile;  // keys a K/V tile at D=128: 64 or 128 (decode_plan.kv_tile); 128 at other head dims
   bool causal;

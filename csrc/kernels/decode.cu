@@ -5,7 +5,6 @@
 // Each item leaves a normalised partial output and its LSE; a small kernel then merges a segment's items. An
 // item that covers its sequence's whole visible range (the usual case once a step's chunk is coarsened) writes
 // out and lse itself, and the merge passes its segment by.
-#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include "../kittens/kittens.cuh"
 #include "attention.h"
@@ -67,6 +66,23 @@ __host__ __device__ inline slot_rule slot_rule_of(const tk::attn_decode_problem&
   return {p.cache_seqlens, p.hkv, p.max_splits, p.max_context, p.q_len, p.window_left, p.chunk_tokens};
 }
 
+// What the step's schedule needs beyond the slot rule (decode_plan.build_work_list's inputs); see self_schedule.
+struct schedule_rule {
+  slot_rule slots;
+  int batch, item_overhead, coarsen_levels, max_items;
+
+  // One segment (b, h) of sequence b at `chunk`: its item count and summed cost (keys + an overhead an item).
+  __device__ __forceinline__ int items(int2 v, int chunk) const { return ceil_div(v.y, chunk) - v.x / chunk; }
+  __device__ __forceinline__ long long segment_cost(int2 v, int chunk) const {
+    const int n = items(v, chunk);
+    return n > 0 ? (v.y - v.x) + (long long)n * item_overhead : 0;
+  }
+};
+
+__host__ __device__ inline schedule_rule schedule_rule_of(const tk::attn_decode_problem& p) {
+  return {slot_rule_of(p), p.batch, p.item_overhead, p.coarsen_levels, p.max_items};
+}
+
 // Balanced mode (tk_backend/decode_balanced.py): segment (b, h) costs overhead + its visible keys, the segments
 // (b-major) are laid end to end into a stream of T units, and CTA c owns units [c T / C, (c + 1) T / C). A share
 // boundary inside a segment's keys becomes the key cut down to a multiple of `align` (at least the segment's
@@ -110,18 +126,180 @@ __host__ __device__ inline balanced_rule balanced_rule_of(const tk::attn_decode_
           p.window_left, p.item_overhead, ALIGN, p.num_ctas};
 }
 
+// The schedule of decode_plan.build_work_list: slot ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned
+// key range of sequence b that intersects its visible keys [lo_b, L_b), and CTA c runs the slots whose cost prefix
+// `before` has c * total <= ctas * before < (c + 1) * total (cost = keys + a fixed overhead per non-empty item). The
+// chunk is the step's: chunk_tokens doubled up to coarsen_levels times (decode_plan.step_chunk). Each CTA of the
+// decode kernel works out its own range with its whole block (self_schedule), so no schedule kernel runs before it.
+// decode_plan.step_chunk: the candidate chunk C_j = chunk_tokens << j that needs the fewest rounds of full-size
+// items, weighted by their size (the largest j on ties), and the step's total cost at it. Each thread sums its
+// sequences' costs at every level, each warp reduces them by shuffles, and one thread adds the warps' sums: two
+// block syncs, not two a level. Every thread of the block calls it.
+struct step_choice {
+  int chunk;
+  long long total;
+};
+template <int THREADS>
+__device__ step_choice choose_step_chunk(const schedule_rule& r, int ctas) {
+  constexpr int LEVELS = tk::DECODE_MAX_COARSEN_LEVELS + 1, WARPS = THREADS / 32;
+  __shared__ long long warp_cost[WARPS][LEVELS];
+  __shared__ step_choice chosen;
+  long long cost[LEVELS] = {};
+  const int c0 = r.slots.chunk_tokens;
+  for (int b = threadIdx.x; b < r.batch; b += THREADS) {
+    const int2 v = r.slots.visible(b);
+    // At C_j = chunk_tokens << j: ceil(L / C_j) = ceil(ceil(L / C_0) / 2^j), floor(lo / C_j) = floor(lo / C_0) >> j.
+    const int last = ceil_div(v.y, c0), first = v.x / c0;
+#pragma unroll
+    for (int j = 0; j < LEVELS; j++) {
+      const int count = ((last + (1 << j) - 1) >> j) - (first >> j);
+      if (j <= r.coarsen_levels && count > 0) cost[j] += (v.y - v.x) + (long long)count * r.item_overhead;
+    }
+  }
+#pragma unroll  // cost[] stays in registers
+  for (int j = 0; j < LEVELS; j++) {
+    if (j > r.coarsen_levels) break;
+    long long c = cost[j];
+    for (int o = 16; o; o /= 2) c += __shfl_xor_sync(~0u, c, o);
+    if (threadIdx.x % 32 == 0) warp_cost[threadIdx.x / 32][j] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    long long best = LLONG_MAX;
+    step_choice pick{c0, 0};
+    for (int j = 0; j <= r.coarsen_levels; j++) {
+      long long total = 0;
+      for (int w = 0; w < WARPS; w++) total += warp_cost[w][j];
+      total *= r.slots.hkv;
+      const long long per_item = (long long)(c0 << j) + r.item_overhead;
+      const long long span = (long long)ctas * per_item;
+      const long long time = div_floor(total + span - 1, span) * per_item;
+      if (time <= best) best = time, pick = {c0 << j, total};
+    }
+    chosen = pick;
+  }
+  __syncthreads();
+  return chosen;
+}
+
+// An exclusive running sum over the block (every thread calls it): returns the sum of v over the threads before
+// this one, and the block's total in `total`. Warp shuffles, then the warps' sums through shared memory.
+template <int THREADS>
+__device__ long long block_exclusive_sum(long long v, long long& total) {
+  constexpr int WARPS = THREADS / 32;
+  __shared__ long long warp_sum[WARPS];
+  long long x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const long long y = __shfl_up_sync(~0u, x, o);
+    if (laneid() >= o) x += y;
+  }
+  if (laneid() == 31) warp_sum[threadIdx.x / 32] = x;
+  __syncthreads();
+  long long before = x - v;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; w++) {
+    if (w < int(threadIdx.x / 32)) before += warp_sum[w];
+    total += warp_sum[w];
+  }
+  __syncthreads();  // warp_sum is free again
+  return before;
+}
+
+// The running sum of value(i) over i in [0, n), a THREADS-wide tile at a time; each thread calls use(i, before,
+// value) for its i < n, before = value(0) + ... + value(i - 1). Returns the total. Every thread calls it.
+template <int THREADS, typename Value, typename Use>
+__device__ long long scan_in_tiles(int n, Value value, Use use) {
+  long long carry = 0;
+  for (int base = 0; base < n; base += THREADS) {
+    const int i = base + threadIdx.x;
+    const long long v = i < n ? value(i) : 0;
+    long long tile_total;
+    const long long before = block_exclusive_sum<THREADS>(v, tile_total);
+    if (i < n) use(i, carry + before, v);
+    carry += tile_total;
+  }
+  return carry;  // the same in every thread
+}
+
+// CTA c's slots [cta_start[c], cta_start[c + 1]) of the step's schedule, worked out by the whole block from
+// cache_seqlens (every thread calls it). cta_start[c] (c >= 1) is one past the first slot i whose cost prefix end
+// E_i = before_i + cost_i has E_i * ctas >= c * total, i.e. E_i >= T_c = ceil(c * total / ctas); cta_start[0] = 0
+// and cta_start[ctas] (T = total) is one past the last slot with work (decode_plan.cta_range / slot_after). A scan
+// over the sequences finds the one whose units hold each T; then one thread a target finds its kv head by a
+// division and its item by one more (a segment's items but its last are whole chunks). That arithmetic stays out
+// of the scan's per-thread callback: there it made ptxas build the consumers' wgmma descriptors in ordinary
+// registers (R2UR 38 -> 226 in the kernel) and every decode case ran 2-13% slower, those without this schedule too.
+// The CTA writes cta_start[c] (the last one cta_start[ctas] too), the work items of its range, which its producer
+// reads next, and the slots past the last with work in its 1/ctas stripe of the list: the workspace ends up as
+// build_work_list's, for the merge and for later calls that reuse the schedule.
+template <int THREADS>
+__device__ int2 self_schedule(const schedule_rule& r, int* work_items, int* cta_start, int c, int ctas) {
+  __shared__ int seq_of[3], found[3];  // targets k = 0, 1, 2: cta_start[c], cta_start[c + 1], the end of the work
+  __shared__ long long before_of[3];
+  const step_choice step = choose_step_chunk<THREADS>(r, ctas);
+  slot_rule slots = r.slots;
+  slots.chunk_tokens = step.chunk;
+  const long long total = step.total;
+  auto target = [&](int k) { return k == 2 ? total : div_floor((long long)(c + k) * total + ctas - 1, ctas); };
+  if (threadIdx.x < 3) seq_of[threadIdx.x] = -1;
+  __syncthreads();
+  if (total > 0) {
+    const long long t0 = target(0), t1 = target(1);
+    scan_in_tiles<THREADS>(
+        r.batch, [&](int b) { return r.slots.hkv * r.segment_cost(r.slots.visible(b), step.chunk); },
+        [&](int b, long long before, long long cost) {  // sequence b holds the units (before, before + cost]
+          if (before < t0 && t0 <= before + cost) seq_of[0] = b, before_of[0] = before;
+          if (before < t1 && t1 <= before + cost) seq_of[1] = b, before_of[1] = before;
+          if (before < total && total <= before + cost) seq_of[2] = b, before_of[2] = before;
+        });
+  }
+  __syncthreads();
+  if (threadIdx.x < 3) {
+    const int k = threadIdx.x, b = seq_of[k];
+    int slot = 0;  // c = 0 starts at slot 0; total = 0: every range is empty
+    if (b >= 0 && !(k == 0 && c == 0)) {
+      const int2 v = r.slots.visible(b);
+      const int per_head = int(r.segment_cost(v, step.chunk));
+      const int off = int(target(k) - before_of[k]);  // 1 .. hkv * per_head
+      const int h = (off - 1) / per_head, need = off - h * per_head + v.x % step.chunk;
+      const int s = min((need - 1) / (step.chunk + r.item_overhead), r.items(v, step.chunk) - 1);
+      slot = (b * r.slots.hkv + h) * r.slots.max_splits + s + 1;
+    }
+    found[k] = slot;
+  }
+  __syncthreads();
+  const int start = found[0], end = found[1], end_of_work = found[2];
+  if (threadIdx.x == 0) {
+    cta_start[c] = start;
+    if (c == ctas - 1) cta_start[ctas] = end_of_work;
+  }
+  auto write = [&](int from, int to) {
+    for (int i = from + threadIdx.x; i < to; i += THREADS) reinterpret_cast<int4*>(work_items)[i] = slots(i);
+  };
+  write(start, end);
+  const int stripe = ceil_div(r.max_items, ctas);
+  write(max(end_of_work, c * stripe), min((c + 1) * stripe, r.max_items));
+  __syncthreads();  // the producer reads its range's items next
+  return {start, end};
+}
+
 // Tile: keys a K/V tile at D=128 (attn_decode_problem::kv_tile, chosen by decode_plan.kv_tile). 64-key tiles in 6
 // stages hold the ring bytes of 128 x 3, but a consumer hands a stage back twice as often and more of the ring
 // is in flight: short items (1-4k keys a CTA) and balanced pieces stream faster (b8 8k contexts, one 4096-key
 // item a CTA: 0.973 of 128-key tiles' time; b64 1k 0.955; 128k tables 0.90-0.94), long ones slower (8k+ keys an
 // item, several items a CTA: 1.02-1.05).
-template <typename T, int D, int Tile = 128>
+// Scheduling: the kernel of a step's static schedule (not direct, not balanced) whose CTAs work out their ranges
+// (self_schedule). The other kernel (direct mode, balanced mode, or a schedule an earlier call of the step left)
+// carries no scheduling code: compiled into one kernel, its presence alone slowed those cases 3-6% (session 27).
+template <typename T, int D, int Tile = 128, bool Scheduling = false>
 struct attn_decode_split {
   static constexpr int consumers = 1, ROWS = 64, PIECE = 16;
   static_assert(Tile == 128 || (D == 128 && Tile == 64), "64-key tiles at D=128 only");
   static constexpr int KV = D == 256 ? 48 : D == 128 ? Tile : 128;
   static constexpr int stages = D == 256 ? 3 : KV == 64 ? 6 : D == 64 ? 6 : 3;
-  // Chained to the schedule kernel (or, in direct mode, whatever came before), and the merge to this one: each
+  // Chained to whatever came before (balanced mode: its schedule kernel), and the merge to this one: each
   // launch overlaps the previous kernel's tail (the b1 cases are a few microseconds a kernel).
   static constexpr bool chained = true;
   using q_tile = st<T, ROWS, D>;
@@ -133,17 +311,18 @@ struct attn_decode_split {
     pages_gl k, v;
     const T* q;
     long q_strides[3];
-    const int *cache_seqlens, *block_table, *cta_start;
-    int* work_items;  // read, or in direct mode written (see finish)
+    const int *cache_seqlens, *block_table;
+    int *cta_start, *work_items;  // read (reuse, balanced), or written (self_schedule; direct mode: finish)
     long bt_stride;
     gl<float, 1, RUNTIME, RUNTIME, D> partial_out;  // (1, items, rows, D)
     float* partial_lse;
     int q_len, group, block_size, causal, window_left, window_right;
     float scale_log2, softcap;
     // direct: as many CTAs as slots, CTA c runs slot c, found from the slot rule and written to work_items
-    // for the merge (no schedule kernel: small batches, where it is a third of the latency).
+    // for the merge (small batches). Otherwise (not balanced) CTA c runs [cta_start[c], cta_start[c + 1]) of the
+    // step's schedule, which it works out itself when Scheduling (else an earlier call of the step left it).
     bool direct;
-    slot_rule slots;
+    schedule_rule sched;
     // single: one item per (sequence, kv head) (max_splits 1), so finish writes out and lse itself and the
     // merge kernel is not launched. Otherwise an item that is its sequence's only one this step (the step's
     // chunk covers the sequence: slot_rule::whole) does the same, and the merge skips its segment.
@@ -170,18 +349,23 @@ struct attn_decode_split {
   };
   struct task_t { int item, b, h, start, end, base, len, iters; };
 
-  __device__ static int2 task_range(const globals& g, int cta, int) {
-    if (g.direct) return {cta, cta + 1};
-    if (g.balanced) return {g.cta_start[cta], min(g.cta_start[cta + 1] + 1, g.bal.batch * g.bal.hkv)};
-    return {g.cta_start[cta], g.cta_start[cta + 1]};
+  // Every thread of the CTA calls it (lcsf), so self_schedule may use the whole block.
+  __device__ static int2 task_range(const globals& g, int cta, int ctas) {
+    if constexpr (Scheduling) {
+      return self_schedule<(consumers + 1) * WARPGROUP_THREADS>(g.sched, g.work_items, g.cta_start, cta, ctas);
+    } else {
+      if (g.direct) return {cta, cta + 1};
+      if (g.balanced) return {g.cta_start[cta], min(g.cta_start[cta + 1] + 1, g.bal.batch * g.bal.hkv)};
+      return {g.cta_start[cta], g.cta_start[cta + 1]};
+    }
   }
   __device__ static int task_count(const globals&) { return 0; }  // unused: task_range decides
   // After a segment's last item (or an empty slot) the walk goes straight to the next segment's first slot: a
   // segment's used slots come first, and a step's chunk can leave most of them empty (short contexts under a
   // max_model_len-wide table, or any coarsened step), each of which would otherwise cost a dependent load.
   __device__ static int next_task(const globals& g, const task_t& t, int id) {
-    if (g.direct || g.balanced || (t.end > t.start && t.end < g.slots.clamped(t.len))) return id + 1;
-    return (id / g.slots.max_splits + 1) * g.slots.max_splits;
+    if (g.direct || g.balanced || (t.end > t.start && t.end < g.sched.slots.clamped(t.len))) return id + 1;
+    return (id / g.sched.slots.max_splits + 1) * g.sched.slots.max_splits;
   }
   __device__ static task_t task(const globals& g, int id, int) {
     if (g.balanced) {  // the piece of segment `id` in this CTA's share; item = its slot (-1: whole)
@@ -191,7 +375,7 @@ struct attn_decode_split {
       t.iters = pc.y > pc.x ? ceil_div(pc.y - t.base, KV) : 0;
       return t;
     }
-    const int4 w = g.direct ? g.slots(id) : reinterpret_cast<const int4*>(g.work_items)[id];
+    const int4 w = g.direct ? g.sched.slots(id) : reinterpret_cast<const int4*>(g.work_items)[id];
     task_t t{id, w.x, w.y, w.z, w.w, w.z & ~(PIECE - 1), g.cache_seqlens[w.x], 0};
     t.iters = w.w > w.z ? ceil_div(w.w - t.base, KV) : 0;  // empty slots carry no work
     return t;
@@ -320,7 +504,7 @@ struct attn_decode_split {
     if (g.direct && !g.single && warpgroup::thread() == 0)
       reinterpret_cast<int4*>(g.work_items)[t.item] = make_int4(t.b, t.h, t.start, t.end);
     // single: an empty item (no visible key) finalizes to out 0 and lse -inf, as the merge would.
-    if (g.single || g.slots.whole(t.b, t.start, t.end)) {
+    if (g.single || g.sched.slots.whole(t.b, t.start, t.end)) {
       write_output(s, g, t);
       reset(s);
       return;
@@ -342,152 +526,27 @@ struct attn_decode_split {
   }
 };
 
-// The work list of decode_plan.build_work_list, built on the device in one launch (one block): slot
-// ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned key range of sequence b that intersects its
-// visible keys [lo_b, L_b), and CTA c runs the slots whose cost prefix `before` has
-// c * total <= ctas * before < (c + 1) * total (cost = keys + a fixed overhead per non-empty item). The chunk
-// is the step's: chunk_tokens doubled up to coarsen_levels times (decode_plan.step_chunk).
-constexpr int SCHEDULE_THREADS = 512;
-
-// decode_plan.step_chunk: the candidate chunk C_j = chunk_tokens << j that needs the fewest rounds of full-size
-// items, weighted by their size (the largest j on ties). Each thread sums its sequences' costs at every level, each
-// warp reduces them by shuffles, and one thread adds the warps' sums: two block syncs, not two a level.
-__device__ int step_chunk(const tk::attn_decode_problem& p) {
-  constexpr int LEVELS = tk::DECODE_MAX_COARSEN_LEVELS + 1, WARPS = SCHEDULE_THREADS / 32;
-  __shared__ long long warp_cost[WARPS][LEVELS];
-  __shared__ int chosen;
-  long long cost[LEVELS] = {};
-  const slot_rule rule = slot_rule_of(p);
-  for (int b = threadIdx.x; b < p.batch; b += SCHEDULE_THREADS) {
-    const int2 v = rule.visible(b);
-    const int lo = v.x, length = v.y;
-    // At C_j = chunk_tokens << j: ceil(L / C_j) = ceil(ceil(L / C_0) / 2^j), floor(lo / C_j) = floor(lo / C_0) >> j.
-    const int last = ceil_div(length, p.chunk_tokens), first = lo / p.chunk_tokens;
-#pragma unroll
-    for (int j = 0; j < LEVELS; j++) {
-      const int count = ((last + (1 << j) - 1) >> j) - (first >> j);
-      if (j <= p.coarsen_levels && count > 0) cost[j] += (length - lo) + (long long)count * p.item_overhead;
-    }
-  }
-#pragma unroll  // cost[] stays in registers
-  for (int j = 0; j < LEVELS; j++) {
-    if (j > p.coarsen_levels) break;
-    long long c = cost[j];
-    for (int o = 16; o; o /= 2) c += __shfl_xor_sync(~0u, c, o);
-    if (threadIdx.x % 32 == 0) warp_cost[threadIdx.x / 32][j] = c;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    long long best = LLONG_MAX;
-    int pick = p.chunk_tokens;
-    for (int j = 0; j <= p.coarsen_levels; j++) {
-      long long total = 0;
-      for (int w = 0; w < WARPS; w++) total += warp_cost[w][j];
-      total *= p.hkv;
-      const long long per_item = (long long)(p.chunk_tokens << j) + p.item_overhead;
-      const long long span = (long long)p.num_ctas * per_item;
-      const long long time = div_floor(total + span - 1, span) * per_item;
-      if (time <= best) best = time, pick = p.chunk_tokens << j;
-    }
-    chosen = pick;
-  }
-  __syncthreads();
-  return chosen;
-}
-
-// The schedule kernels' running sum: value(i) over i in [0, n), a SCHEDULE_THREADS-wide tile at a time; each thread
-// calls use(i, before, value) for its i < n, before = value(0) + ... + value(i - 1). Returns the total (every
-// thread). `carry` is a __shared__ long long; the block syncs between tiles.
-using schedule_scan = cub::BlockScan<long long, SCHEDULE_THREADS>;
-template <typename Value, typename Use>
-__device__ long long scan_in_tiles(typename schedule_scan::TempStorage& storage, long long& carry, int n, Value value,
-                                   Use use) {
-  if (threadIdx.x == 0) carry = 0;
-  __syncthreads();
-  for (int base = 0; base < n; base += SCHEDULE_THREADS) {
-    const int i = base + threadIdx.x;
-    const long long v = i < n ? value(i) : 0;
-    long long before, tile_total;
-    schedule_scan(storage).ExclusiveSum(v, before, tile_total);
-    if (i < n) use(i, carry + before, v);
-    __syncthreads();  // everyone has read carry and is done with the scan storage
-    if (threadIdx.x == 0) carry += tile_total;
-    __syncthreads();
-  }
-  return carry;
-}
-
-__global__ void __launch_bounds__(SCHEDULE_THREADS) build_schedule(tk::attn_decode_problem p) {
-  using reduce_t = cub::BlockReduce<long long, SCHEDULE_THREADS>;
-  __shared__ union {
-    typename schedule_scan::TempStorage scan;
-    typename reduce_t::TempStorage reduce;
-  } storage;
-  __shared__ long long carry, total_cost;
-  __shared__ int end_of_work;  // one past the last slot with work
-  chain::allow_next();  // the decode CTAs may set up beside this block; they wait for its writes
-  const int n = p.max_items, ctas = p.num_ctas;
-  slot_rule slot = slot_rule_of(p);
-  if (p.coarsen_levels > 0) slot.chunk_tokens = step_chunk(p);
-  auto item = [&](int i, int4& w) -> long long {  // the slot's key range and cost
-    w = slot(i);
-    return w.w > w.z ? (w.w - w.z) + p.item_overhead : 0;
-  };
-  // Pass 1: the total cost, the end of the work (and the work items themselves).
-  if (threadIdx.x == 0) end_of_work = 0;
-  __syncthreads();
-  long long mine = 0;
-  int my_end = 0;
-  for (int i = threadIdx.x; i < n; i += SCHEDULE_THREADS) {
-    int4 w;
-    const long long cost = item(i, w);
-    mine += cost;
-    if (cost > 0) my_end = i + 1;
-    reinterpret_cast<int4*>(p.work_items)[i] = w;
-  }
-  if (my_end > 0) atomicMax(&end_of_work, my_end);
-  const long long total = reduce_t(storage.reduce).Sum(mine);
-  if (threadIdx.x == 0) total_cost = total;
-  __syncthreads();
-  if (total_cost == 0) {  // nothing to do: every CTA gets an empty range
-    for (int c = threadIdx.x; c <= ctas; c += SCHEDULE_THREADS) p.cta_start[c] = 0;
-    return;
-  }
-  // Pass 2: slot i owns the CTAs c with ctas * before_i < c * total <= ctas * (before_i + cost_i), which start at
-  // slot i + 1; CTA 0 starts at slot 0. The intervals partition (0, ctas), so every entry is written once. The end
-  // marker is one past the last slot with work, so the last CTA does not walk the empty sequences a CUDA graph
-  // pads the batch with.
-  if (threadIdx.x == 0) p.cta_start[0] = 0, p.cta_start[ctas] = end_of_work;
-  scan_in_tiles(
-      storage.scan, carry, n, [&](int i) { int4 w; return item(i, w); },
-      [&](int i, long long before, long long cost) {
-        const long long lo = div_floor(before * ctas, total_cost), hi = div_floor((before + cost) * ctas, total_cost);
-        for (long long c = lo + 1; c <= hi && c < ctas; c++) p.cta_start[c] = i + 1;
-      });
-}
-
 // Balanced mode's schedule (one block): seq_at = the exclusive scan of hkv * cost_b over the batch (into the
 // work_items buffer), seq_at[batch] = T, and cta_start[c] = the segment holding unit begin(c) (batch * hkv
 // for every c when T = 0), cta_start[ctas] = the end of the last non-empty sequence's segments (so the last CTA
 // does not walk the zero-length requests a CUDA graph pads the batch with). Sequence b's segments hold the units
 // [seq_at[b], seq_at[b + 1]); the CTAs whose share begins there are ceil(x C / T) .. ceil(y C / T) - 1.
+constexpr int SCHEDULE_THREADS = 512;
 constexpr int BALANCED_CTAS_PER_THREAD = tk::DECODE_BALANCED_MAX_CTAS / SCHEDULE_THREADS;
 static_assert(BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS == tk::DECODE_BALANCED_MAX_CTAS);
 
 template <int ALIGN>
 __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_decode_problem p) {
   using owner_scan_t = cub::BlockScan<int, SCHEDULE_THREADS>;
-  __shared__ typename schedule_scan::TempStorage storage;
   __shared__ typename owner_scan_t::TempStorage owner_storage;
   __shared__ int owner[BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS];  // per CTA: the sequence starting there, or -1
-  __shared__ long long carry;
   chain::allow_next();  // the decode CTAs may set up beside this block; they wait for its writes
   const balanced_rule r = balanced_rule_of<ALIGN>(p);
   long long* seq_at = reinterpret_cast<long long*>(p.work_items);
   const int segs = p.batch * p.hkv, ctas = p.num_ctas;
   for (int c = threadIdx.x; c < BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS; c += SCHEDULE_THREADS) owner[c] = -1;
-  const long long total = scan_in_tiles(
-      storage, carry, p.batch, [&](int b) { return p.hkv * r.cost(r.visible(b)); },
+  const long long total = scan_in_tiles<SCHEDULE_THREADS>(
+      p.batch, [&](int b) { return p.hkv * r.cost(r.visible(b)); },
       [&](int b, long long before, long long) { seq_at[b] = before; });
   if (threadIdx.x == 0) seq_at[p.batch] = total;
   if (total == 0) {
@@ -632,9 +691,9 @@ __global__ void merge_partials(tk::attn_decode_problem p, int group) {
   });
 }
 
-template <typename T, int D, int Tile = 128>
-void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
-  using K = attn_decode_split<T, D, Tile>;
+template <typename T, int D, int Tile, bool Scheduling>
+void launch(const tk::attn_decode_problem& p, cudaStream_t stream) {
+  using K = attn_decode_split<T, D, Tile, Scheduling>;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   const int group = p.hq / p.hkv, rows = p.q_len * group;
   typename K::globals g{};
@@ -657,7 +716,7 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.window_right = p.window_right;
   g.scale_log2 = p.softmax_scale * tk::attn::LOG2E;
   g.softcap = p.softcap;
-  g.slots = slot_rule_of(p);
+  g.sched = schedule_rule_of(p);
   g.balanced = p.balanced;
   g.bal = balanced_rule_of<K::KV>(p);
   g.direct = !p.balanced && p.max_items <= p.num_ctas;  // one slot per CTA: nothing to balance
@@ -676,14 +735,17 @@ void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
                   group);
     return;
   }
-  if (!g.direct && !p.reuse_schedule) {
-    build_schedule<<<1, SCHEDULE_THREADS, 0, stream>>>(p);
-    TK_LAUNCH_CHECK();
-  }
   lcsf::launch<K>(g, g.direct ? p.max_items : p.num_ctas, stream);
   if (g.single) return;
   chain::launch(merge_partials<T>, p.batch * p.hkv * rows, D, merge_weights(p.max_splits) * sizeof(float), stream, p,
                 group);
+}
+
+template <typename T, int D, int Tile = 128>
+void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
+  const bool direct = !p.balanced && p.max_items <= p.num_ctas;
+  if (!p.balanced && !direct && !p.reuse_schedule) return launch<T, D, Tile, true>(p, stream);
+  launch<T, D, Tile, false>(p, stream);
 }
 
 template <typename T>

@@ -362,7 +362,7 @@ def test_kv_tile_follows_the_full_length_step_chunk(batch, context, tile):
 
 def test_no_coarsening_when_splits_are_forced_or_each_slot_has_a_cta():
     assert _h200_plan(8, 8192, num_splits=8).coarsen_levels == 0  # flash-attn's num_splits means what it says
-    direct = _h200_plan(1, 32768)  # 8 kv heads x 16 chunks = 128 slots <= 132 CTAs: no schedule kernel
+    direct = _h200_plan(1, 32768)  # 8 kv heads x 16 chunks = 128 slots <= 132 CTAs: a CTA a slot
     assert direct.max_items <= direct.num_ctas and direct.coarsen_levels == 0
 
 
@@ -387,7 +387,7 @@ def test_tune_buckets_tile_every_dimension_and_fit_in_memory():
 
 
 def test_schedule_reuse_needs_the_same_token_key_and_buffer():
-    """attention._reuses_schedule: a decode call skips the schedule kernel only when the workspace's work list was
+    """attention._reuses_schedule: a decode call skips working out the schedule only when the workspace's work list was
     built by the last call on that buffer, with its token and schedule key (plan, mode, window, lengths)."""
     from tk_backend import attention
 

@@ -146,7 +146,7 @@ def test_schedule_kernel_matches_build_work_list(window, seed):
     num_sms, name = _attention._device_info(q.device)
     plan = decode_plan.make_plan(batch, table.shape[1] * block_size, 1, hkv * group, hkv, d, block_size, num_sms,
                                  window[0], 0, name)
-    # Direct mode (a CTA per slot, no schedule kernel): the attention kernel writes the slots for the merge,
+    # Direct mode (a CTA per slot, no schedule to work out): the attention kernel writes the slots for the merge,
     # and the CTA ranges are not used. With one split a segment as well there is no merge, and so no slots.
     direct = plan.max_items <= plan.num_ctas
     if _attention.balanced_mode(plan):  # the stream offsets and each CTA's first segment (decode_balanced.schedule)
@@ -169,7 +169,7 @@ def test_schedule_kernel_matches_build_work_list(window, seed):
 
 
 def test_forced_splits_keep_the_static_schedule(seed):
-    """A forced num_splits with more slots than CTAs runs the static schedule kernel (not balanced mode): its work
+    """A forced num_splits with more slots than CTAs runs the static schedule (not balanced mode): its work
     list equals decode_plan.build_work_list, and the output the reference."""
     rng = random.Random(seed)
     batch, hkv, group, d, block_size, splits = 40, 2, 4, 128, 16, 2
@@ -196,7 +196,7 @@ def test_forced_splits_keep_the_static_schedule(seed):
 
 @pytest.mark.parametrize("batch,contexts", [(3, [700, 1, 0]), (64, None)])
 def test_direct_and_scheduled_modes_agree_with_the_reference(batch, contexts, seed):
-    """Few slots run a CTA each (no schedule kernel), many go through the schedule: both match the reference."""
+    """Few slots run a CTA each (no schedule), many go through the schedule: both match the reference."""
     rng = random.Random(seed)
     hkv, group, d, block_size = 8, 4, 128, 16
     contexts = contexts or [rng.randint(1, 3000) for _ in range(batch)]
@@ -287,7 +287,7 @@ def test_column_slice_of_a_wide_table(seed):
 @pytest.mark.parametrize("mode", ["static", "balanced"])
 def test_layers_of_a_step_reuse_the_schedule(mode, seed, monkeypatch):
     """Three "layers" of a step (their own caches and queries; the step's lengths tensor and one schedule_token):
-    the first builds the work list, the others reuse it (no schedule kernel); a call with other lengths in between
+    the first builds the work list, the others reuse it (no schedule worked out); a call with other lengths in between
     rebuilds the buffer, and the step's next layer must rebuild too. Then the step under CUDA-graph capture (a
     fresh token, as vLLM's builder gives each capture run), replayed with changed lengths. Every output against
     the reference."""
