@@ -134,11 +134,15 @@ def test_split_decode_head_dims_window_softcap(d, window, softcap, seed):
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (300, 0)])
-def test_schedule_kernel_matches_build_work_list(window, seed):
-    """The op's on-device schedule equals decode_plan.build_work_list (the planner the CPU tests check)."""
+@pytest.mark.parametrize("batch", [7, 600])
+def test_schedule_kernel_matches_build_work_list(window, batch, seed):
+    """The op's on-device schedule equals decode_plan.build_work_list (the planner the CPU tests check). A batch of
+    600 takes the schedule's scans over the sequences past one block's width (256 threads in the split kernel, 512
+    in balanced mode's schedule kernel)."""
     rng = random.Random(seed)
-    batch, hkv, group, d, block_size = 7, 2, 4, 128, 16
-    contexts = [rng.choice([0, 1, rng.randint(2, 900), rng.randint(900, 20000)]) for _ in range(batch)]
+    hkv, group, d, block_size = 2, 4, 128, 16
+    longest = 20000 if batch < 100 else 3000
+    contexts = [rng.choice([0, 1, rng.randint(2, 900), rng.randint(900, longest)]) for _ in range(batch)]
     k_cache, v_cache, table = _cache(rng, batch, [max(c, 1) for c in contexts], block_size, hkv, d)
     q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
