@@ -378,18 +378,6 @@ def segment(plan: DecodePlan, length: int, chunk: int | None = None) -> tuple[in
     return lo, first, chunks, (length - lo) + chunks * plan.item_overhead_tokens if chunks else 0
 
 
-def item_cost(plan: DecodePlan, length: int, s: int, chunk: int | None = None) -> int:
-    """Cost of the s-th chunk slot of a sequence with `length` keys (0 for an empty slot)."""
-    chunk = chunk or plan.chunk_tokens
-    lo, first, chunks, _ = segment(plan, length, chunk)
-    if s >= chunks:
-        return 0
-    length = _visible(plan, length)[1]
-    start = max((first + s) * chunk, lo)
-    end = min((first + s + 1) * chunk, length)
-    return end - start + plan.item_overhead_tokens
-
-
 def slot_after(plan: DecodePlan, lengths: list[int], target: int, chunk: int | None = None) -> int:
     """One past the first slot i whose cost prefix end E_i = before_i + cost_i reaches `target` (E_i >= target
     >= 1), computed per sequence rather than per slot, as each decode CTA does for its own range (self_schedule in

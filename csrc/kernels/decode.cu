@@ -33,6 +33,9 @@ __device__ __forceinline__ int2 visible_keys(const int* cache_seqlens, int b, in
   return {window_left >= 0 ? max(length - q_len - window_left, 0) : 0, length};
 }
 
+// The chunks of `chunk` keys (aligned at its multiples) that the visible keys [v.x, v.y) touch: 0 when there are none.
+__device__ __forceinline__ int chunk_count(int2 v, int chunk) { return ceil_div(v.y, chunk) - v.x / chunk; }
+
 // Slot i of the work list: ((b * hkv) + h) * max_splits + s holds the s-th chunk-aligned key range of sequence b
 // that intersects its visible keys [lo_b, L_b) (empty past the sequence's chunks).
 struct slot_rule {
@@ -54,7 +57,7 @@ struct slot_rule {
     const int per_seq = hkv * max_splits, b = i / per_seq, s = i % max_splits;
     const int2 v = visible(b);
     const int lo = v.x, length = v.y;
-    const int first = lo / chunk_tokens, chunks = ceil_div(length, chunk_tokens) - first;
+    const int first = lo / chunk_tokens, chunks = chunk_count(v, chunk_tokens);
     const int aligned = (first + s) * chunk_tokens;
     const bool used = s < chunks;
     return make_int4(b, (i / max_splits) % hkv, used ? max(aligned, lo) : 0,
@@ -71,10 +74,9 @@ struct schedule_rule {
   slot_rule slots;
   int batch, item_overhead, coarsen_levels, max_items;
 
-  // One segment (b, h) of sequence b at `chunk`: its item count and summed cost (keys + an overhead an item).
-  __device__ __forceinline__ int items(int2 v, int chunk) const { return ceil_div(v.y, chunk) - v.x / chunk; }
+  // One segment (b, h) of a sequence with visible keys v, at `chunk`: its summed cost (keys + an overhead an item).
   __device__ __forceinline__ long long segment_cost(int2 v, int chunk) const {
-    const int n = items(v, chunk);
+    const int n = chunk_count(v, chunk);
     return n > 0 ? (v.y - v.x) + (long long)n * item_overhead : 0;
   }
 };
@@ -182,45 +184,27 @@ __device__ step_choice choose_step_chunk(const schedule_rule& r, int ctas) {
   return chosen;
 }
 
-// An exclusive running sum over the block (every thread calls it): returns the sum of v over the threads before
-// this one, and the block's total in `total`. Warp shuffles, then the warps' sums through shared memory.
-template <int THREADS>
-__device__ long long block_exclusive_sum(long long v, long long& total) {
-  constexpr int WARPS = THREADS / 32;
-  __shared__ long long warp_sum[WARPS];
-  long long x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const long long y = __shfl_up_sync(~0u, x, o);
-    if (laneid() >= o) x += y;
-  }
-  if (laneid() == 31) warp_sum[threadIdx.x / 32] = x;
-  __syncthreads();
-  long long before = x - v;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < WARPS; w++) {
-    if (w < int(threadIdx.x / 32)) before += warp_sum[w];
-    total += warp_sum[w];
-  }
-  __syncthreads();  // warp_sum is free again
-  return before;
-}
-
 // The running sum of value(i) over i in [0, n), a THREADS-wide tile at a time; each thread calls use(i, before,
-// value) for its i < n, before = value(0) + ... + value(i - 1). Returns the total. Every thread calls it.
+// value) for its i < n, before = value(0) + ... + value(i - 1). Returns the total (every thread). Every thread
+// of the block calls it; the block syncs between tiles.
 template <int THREADS, typename Value, typename Use>
 __device__ long long scan_in_tiles(int n, Value value, Use use) {
-  long long carry = 0;
+  using scan_t = cub::BlockScan<long long, THREADS>;
+  __shared__ typename scan_t::TempStorage storage;
+  __shared__ long long carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
   for (int base = 0; base < n; base += THREADS) {
     const int i = base + threadIdx.x;
     const long long v = i < n ? value(i) : 0;
-    long long tile_total;
-    const long long before = block_exclusive_sum<THREADS>(v, tile_total);
+    long long before, tile_total;
+    scan_t(storage).ExclusiveSum(v, before, tile_total);
     if (i < n) use(i, carry + before, v);
-    carry += tile_total;
+    __syncthreads();  // everyone has read carry and is done with the scan storage
+    if (threadIdx.x == 0) carry += tile_total;
+    __syncthreads();
   }
-  return carry;  // the same in every thread
+  return carry;
 }
 
 // CTA c's slots [cta_start[c], cta_start[c + 1]) of the step's schedule, worked out by the whole block from
@@ -264,7 +248,7 @@ __device__ int2 self_schedule(const schedule_rule& r, int* work_items, int* cta_
       const int per_head = int(r.segment_cost(v, step.chunk));
       const int off = int(target(k) - before_of[k]);  // 1 .. hkv * per_head
       const int h = (off - 1) / per_head, need = off - h * per_head + v.x % step.chunk;
-      const int s = min((need - 1) / (step.chunk + r.item_overhead), r.items(v, step.chunk) - 1);
+      const int s = min((need - 1) / (step.chunk + r.item_overhead), chunk_count(v, step.chunk) - 1);
       slot = (b * r.slots.hkv + h) * r.slots.max_splits + s + 1;
     }
     found[k] = slot;
