@@ -129,7 +129,8 @@ struct attn_prefill {
     [[no_unique_address]] std::conditional_t<mask_once, tk::attn::visibility<>::span, std::monostate> mask;
   };
   struct task_t {
-    int b, h, qb, q0, lq, k0, lk, lo, first, iters;  // lo: the first key any of the task's queries sees
+    int b, h, row0, q0, lq, k0, lk, lo, first, iters;  // row0: the block's first query row (< 0: see task)
+    // lo: the first key any of the task's queries sees
     // iters: ring slots, SLOTS a K/V tile
     bool valid;
   };
@@ -169,7 +170,7 @@ struct attn_prefill {
     const int heads = g.batch * g.hq, per_group = g.heads_per_group * g.q_blocks;
     const int group = id / per_group, first = group * g.heads_per_group, in_group = id - group * per_group;
     const int group_heads = min(g.heads_per_group, heads - first);
-    t.qb = g.q_blocks - 1 - in_group / group_heads;
+    const int qb = g.q_blocks - 1 - in_group / group_heads;
     const int pair = first + in_group % group_heads;  // consecutive q heads share a kv head under GQA
     t.b = pair / g.hq;
     t.h = pair % g.hq;
@@ -177,8 +178,14 @@ struct attn_prefill {
     t.lq = g.cu_q[t.b + 1] - t.q0;
     t.lk = g.seqused_k ? g.seqused_k[t.b] : g.cu_k[t.b + 1] - g.cu_k[t.b];
     t.k0 = g.paged ? 0 : g.cu_k[t.b];
-    t.valid = t.qb * BQ < t.lq;
-    const auto [begin, end] = key_range(g, t, t.qb * BQ, BQ);
+    // Query blocks align to the sequence's end (rounded up to QROWS rows): block qb ends q_blocks - 1 - qb blocks
+    // before it. A sequence whose length is not a multiple of BQ then has its short block first, where under a
+    // causal mask it sees the fewest keys, not last, where it sees the most; consumers whose rows all lie before
+    // the sequence's start (row0 < 0) have nothing to write (the serial kernel leaves them idle). A consumer's
+    // rows start at a multiple of QROWS, so none straddles the start; only the last can straddle the end.
+    t.row0 = ceil_div(t.lq, QROWS) * QROWS - (g.q_blocks - qb) * BQ;
+    t.valid = t.row0 + BQ > 0;
+    const auto [begin, end] = key_range(g, t, t.row0, BQ);
     t.lo = begin;
     t.first = begin / KV;
     t.iters = (t.valid && end > begin) ? SLOTS * (ceil_div(end, KV) - t.first) : 0;
@@ -188,6 +195,7 @@ struct attn_prefill {
   // The keys queries row_lo .. row_lo + rows - 1 of a task's sequence see (those past its end see none).
   __device__ static keys_t key_range(const globals& g, const task_t& t, int row_lo, int rows) {
     const int offset = t.lk - t.lq;  // bottom-right alignment
+    row_lo = max(row_lo, 0);
     const int row_hi = min(t.lq, row_lo + rows) - 1;
     int begin = 0, end = t.lk;
     if (g.window_left >= 0) begin = max(0, row_lo + offset - g.window_left);
@@ -240,7 +248,8 @@ struct attn_prefill {
       wait(scratch.q_free[c], ((phases >> c) & 1) ^ 1);  // a fresh semaphore passes at once
       phases ^= 1u << c;
       expect_bytes(scratch.q_ready[c], tma::bytes<q_tile>());
-      tma::load_async(scratch.q[c], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + c * QROWS}, scratch.q_ready[c]);
+      // A consumer whose rows lie before its sequence's start loads some (clamped into the tensor); it writes none.
+      tma::load_async(scratch.q[c], g.q, {.d = t.h, .row = max(t.q0 + t.row0 + c * QROWS, 0)}, scratch.q_ready[c]);
     }
     scratch.q_free_phases = phases;
   }
@@ -285,7 +294,7 @@ struct attn_prefill {
       if (!q_ahead && warpgroup::thread() == 0) {
         tma::store_wait_read<0>();  // the previous task's output has left the buffer
         expect_bytes(scratch.q_ready[wg], tma::bytes<q_tile>());
-        tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = t.q0 + t.qb * BQ + wg * QROWS}, scratch.q_ready[wg]);
+        tma::load_async(scratch.q[wg], g.q, {.d = t.h, .row = max(t.q0 + t.row0 + wg * QROWS, 0)}, scratch.q_ready[wg]);
       }
       wait(scratch.q_ready[wg], s.q_phase);
       s.q_phase ^= 1;
@@ -293,7 +302,7 @@ struct attn_prefill {
     if constexpr (serial) {
       s.seen_lo = s.seen_hi = 0;
       if (!idle(t, wg)) {
-        const auto [begin, end] = key_range(g, t, t.qb * BQ + wg * QROWS, QROWS);
+        const auto [begin, end] = key_range(g, t, t.row0 + wg * QROWS, QROWS);
         if (end > begin) {
           s.seen_lo = begin / KV - t.first;
           s.seen_hi = ceil_div(end, KV) - t.first;
@@ -336,13 +345,16 @@ struct attn_prefill {
     warpgroup::mma_AB(s.o, p, *v_of(in));
     warpgroup::mma_async_wait<0>();
   }
-  // Serial order: a consumer whose 64 rows all lie past the sequence's end (the last query block of a
-  // sequence that is not a multiple of 192 long) loads and computes nothing, and one skips the tiles none of
+  // Serial order: a consumer whose 64 rows all lie before the sequence's start (the first query block of a
+  // sequence that is not a multiple of 192 long, see task) or past its end loads and computes nothing, and one skips the tiles none of
   // its rows sees (seen_lo / seen_hi): a task's tiles cover all 192 rows' keys, and under a causal mask the
   // first consumer's rows end 128 keys before the last's, so its last tile is often all masked (a window's
   // first tiles likewise). The overlapped order computes both: its products and the pipeline's release points
   // would need a branch around the wgmma.
-  __device__ static bool idle(const task_t& t, int wg) { return serial && t.qb * BQ + wg * QROWS >= t.lq; }
+  __device__ static bool idle(const task_t& t, int wg) {
+    const int r0 = t.row0 + wg * QROWS;
+    return serial && (r0 >= t.lq || r0 < 0);
+  }
   __device__ static void zero_tail(const kv_tile* v, const task_t& t, int wg) {
     const int tail = t.lk - (t.first + t.iters / SLOTS - 1) * KV;
     if (tail < KV) warpgroup::zero_rows(v->ref(), tail, 1 + wg);
@@ -352,7 +364,7 @@ struct attn_prefill {
     return {t.lk, t.lk - t.lq, g.window_left, g.window_right, 1, bool(g.causal)};
   }
   // The first of this warp's 16 rows of the task's queries.
-  __device__ static int rows_of(const task_t& t, int wg) { return t.qb * BQ + wg * QROWS + warpgroup::warp() * 16; }
+  __device__ static int rows_of(const task_t& t, int wg) { return t.row0 + wg * QROWS + warpgroup::warp() * 16; }
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
@@ -379,8 +391,8 @@ struct attn_prefill {
 
   __device__ static void finish(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t, int wg) {
     wgmma::fence_operand(s.p);
-    const int r0 = t.qb * BQ + wg * QROWS;
-    if (t.valid && r0 < t.lq) write_output(s, scratch, g, t, wg, r0);  // no visible key: out 0, lse -inf
+    const int r0 = t.row0 + wg * QROWS;
+    if (t.valid && r0 >= 0 && r0 < t.lq) write_output(s, scratch, g, t, wg, r0);  // no visible key: out 0, lse -inf
     reset_accumulators(s);
   }
 
