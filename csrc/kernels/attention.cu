@@ -450,15 +450,15 @@ inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim, in
   return int(std::clamp<long>(std::min(kv_heads * gqa, one_wave), 1, pairs));
 }
 
-// Three consumers (192-row query blocks) pay off unless the mask is causal over short sequences: there the
-// longest tasks (a sequence's last query block, run first) are the ragged ones, whose idle consumers leave
-// the tensor cores to one or two, and the triangle's partly masked tiles grow with the block (session 9 on
-// the H200, same-call A/B against two consumers: full 0.89-0.98, causal n=16384 0.91-0.98, varlen causal up
-// to 8000 tokens 0.95, a 4k chunk over a 28k prefix 0.89; but causal n=1024 and n=4096 1.06-1.12). At D=128
-// claimed tasks (attn_prefill::dynamic) turn causal n=4096 around: 0.96 of two strided consumers' time
-// (session 10); n=1024 stays at two (1.10 with claims). D=128 full masks over <= 1024 keys take two as well: a
-// 1024-token sequence leaves the last 192-row block a third full, and the serial order runs that block's one
-// consumer alone (session 25, same-call A/B: b64 n=1024 full 0.968, the rest within the run's 1-3% drift).
+// Three consumers (192-row query blocks) pay off unless the mask is causal over short sequences (session 9 on
+// the H200, same-call A/B against two consumers: full 0.89-0.98, causal n=16384 0.91-0.98, varlen causal up to 8000
+// tokens 0.95, a 4k chunk over a 28k prefix 0.89; but causal n=1024 and n=4096 1.06-1.12). Then the ragged block
+// of a sequence that is not a multiple of 192 long was its last, longest one; since its blocks align to its end
+// (attn_prefill::task) it is the first, shortest one, and three consumers under a causal mask still lost (session
+// 28: D=64 n=1024 / 4096 1.044 / 1.086, D=128 n=1024 1.005). At D=128 claimed tasks (attn_prefill::dynamic) turn
+// causal n=4096 around: 0.96 of two strided consumers' time (session 10). D=128 full masks over <= 1024 keys
+// take two as well: a 1024-token sequence leaves one 192-row block a third full, and the serial order runs that
+// block's one consumer alone (session 25, same-call A/B: b64 n=1024 full 0.968, the rest within 1-3% drift).
 inline bool three_consumers(const tk::attn_varlen_problem& p) {
   if (p.head_dim == 128) return p.max_seqlen_k > 1024;
   return p.head_dim == 64 && (!p.causal || p.max_seqlen_k > 4096);
