@@ -367,8 +367,8 @@ struct attn_prefill {
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   // Fast (a task's later tiles, below D=256): online_softmax's Fast path, which runs S = Q K^T again (K's stage and
-  // the queries are still held) when the tile cannot take it. (At D=256 it made the consumers spill ~30 bytes.)
-  static constexpr bool fast_softmax = D <= 128;
+  // the queries are still held) when the tile cannot take it. (At D=256 it made the consumers spill ~30 bytes, in the serial D=128 kernel ~140.)
+  static constexpr bool fast_softmax = D <= 128 && !serial;
   template <bool Fast>
   __device__ static void softmax(consumer_state& s, s_tile& att, scratch_block& scratch, const input_block& in,
                                  const globals& g, const task_t& t, int it, int wg) {
@@ -382,8 +382,9 @@ struct attn_prefill {
       warpgroup::mm_ABt(a, scratch.q[wg], k_of(in));
       warpgroup::mma_async_wait<0>();
     };
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax>(att, s.m, s.l, s.rescale, scoring(g), vis,
-                                                                           row0, col0, masked, recompute);
+    const auto group_all = [wg](bool pred) { return warpgroup::all(1 + wg, pred); };
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax>(
+        att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 
   // The last tile's P V, issued while its V is still held. The tile's rows past the sequence's end hold

@@ -86,12 +86,14 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // rescaling's 2^8 is) the tile is done and the max stays (no rescale: the result is false). Otherwise (a max that
 // jumped by more than 2^15 / 32, or a probability that overflowed) `recompute(att)` puts the raw scores back
 // (S = Q K^T again, its wait included) and the exact step runs; with a row that has seen no key it runs at once.
+// `group_all(pred)`: whether pred holds in every warp of the group that runs the recompute's product (a
+// warpgroup: all of its warps must issue it, or none).
 inline constexpr float FAST_SHARE_LIMIT = 32768.f;
 template <bool Lazy, unsigned RowSlots, bool Fast, typename S, typename V, typename Visibility, typename Masked,
-          typename Recompute>
+          typename Recompute, typename GroupAll>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0, Masked masked,
-                                               Recompute recompute) {
+                                               Recompute recompute, GroupAll group_all) {
   using namespace kittens;
   const float es = sc.exp_scale();
   const auto prepare = [&] {
@@ -118,21 +120,28 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
     for (int b = 0; b < V::blocks; b++)
 #pragma unroll
       for (int i = 0; i < V::per_lane; i++) seen &= m.data[b][i] != -INFINITY;
-    if (__all_sync(0xffffffffu, seen)) {
-      V base, share;
+    seen = __all_sync(0xffffffffu, seen);
+    V share;
+    bool fits = true;  // an overflow (inf) fails the test
+    if (seen) {
+      V base;
       map(base, m, [es](float x) { return x * es; });
       map_row<RowSlots>(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
       zero(share);
       row_sum_share<RowSlots>(share, att, share);
-      bool fits = true;  // an overflow (inf) fails the test
 #pragma unroll
       for (int b = 0; b < V::blocks; b++)
 #pragma unroll
         for (int i = 0; i < V::per_lane; i++) fits &= share.data[b][i] <= FAST_SHARE_LIMIT;
-      if (__all_sync(0xffffffffu, fits)) {
+    }
+    // The recompute is a warpgroup's product: all of its warps run it if one needs it (a warp that skipped the
+    // fast path gets its own scores back).
+    if (group_all(fits)) {
+      if (seen) {
         map(l, l, share, [](float x, float y) { return x + y; });
         return false;
       }
+    } else {
       recompute(att);
       prepare();
     }
@@ -170,7 +179,8 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
 template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility, typename Masked>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0, Masked masked) {
-  return online_softmax<Lazy, RowSlots, false>(att, m, l, rescale, sc, vis, row0, col0, masked, [](S&) {});
+  return online_softmax<Lazy, RowSlots, false>(att, m, l, rescale, sc, vis, row0, col0, masked, [](S&) {},
+                                               [](bool) { return true; });
 }
 
 template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility>
