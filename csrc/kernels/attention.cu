@@ -278,8 +278,8 @@ struct attn_prefill {
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
-    free_queries(scratch, t, it, wg);
-    softmax(s, att, g, t, it, wg);
+    softmax<true>(s, att, scratch, in, g, t, it, wg);
+    free_queries(scratch, t, it, wg);  // after the softmax, which may run S_j again
     warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: p is free
     wgmma::fence_operand(s.p);
     copy(s.p, att);
@@ -317,7 +317,7 @@ struct attn_prefill {
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
     free_queries(scratch, t, 0, wg);
-    softmax(s, att, g, t, 0, wg);
+    softmax<false>(s, att, scratch, in, g, t, 0, wg);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
     s.v_prev = v_of(in);
@@ -336,8 +336,7 @@ struct attn_prefill {
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
-    free_queries(scratch, t, it, wg);
-    softmax(s, att, g, t, it, wg);
+    softmax<true>(s, att, scratch, in, g, t, it, wg);
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     rt<T, 16, KV> p;
     copy(p, att);
@@ -367,15 +366,25 @@ struct attn_prefill {
   __device__ static int rows_of(const task_t& t, int wg) { return t.row0 + wg * QROWS + warpgroup::warp() * 16; }
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
-  __device__ static void softmax(consumer_state& s, s_tile& att, const globals& g, const task_t& t, int it, int wg) {
+  // Fast (a task's later tiles, below D=256): online_softmax's Fast path, which runs S = Q K^T again (K's stage and
+  // the queries are still held) when the tile cannot take it. (At D=256 it made the consumers spill ~30 bytes, in the serial D=128 kernel ~140.)
+  static constexpr bool fast_softmax = D <= 128 && !serial;
+  template <bool Fast>
+  __device__ static void softmax(consumer_state& s, s_tile& att, scratch_block& scratch, const input_block& in,
+                                 const globals& g, const task_t& t, int it, int wg) {
     const int row0 = rows_of(t, wg), col0 = (t.first + it) * KV;
     const auto vis = visibility(g, t);
     const auto masked = [&] {
       if constexpr (mask_once) return s.mask.masks(col0);
       else return vis.partial(row0, s_tile::rows, col0, KV);
     };
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims)>(att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0,
-                                                                masked);
+    const auto recompute = [&](s_tile& a) {
+      warpgroup::mm_ABt(a, scratch.q[wg], k_of(in));
+      warpgroup::mma_async_wait<0>();
+    };
+    const auto group_all = [wg](bool pred) { return warpgroup::all(1 + wg, pred); };
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax>(
+        att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 
   // The last tile's P V, issued while its V is still held. The tile's rows past the sequence's end hold

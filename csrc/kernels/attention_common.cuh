@@ -78,25 +78,74 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // tile that hold live rows (1: only rows lane / 4, the first 8 of the 16, as decode's packed queries of a small
 // group); the others are left as they are (their m stays -inf and l 0), so their scores must be finite.
 // `masked()`: whether the tile needs the mask (vis.partial, or a caller's span worked out once a task).
-template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility, typename Masked>
+//
+// Fast (every row of the warp has seen a key): the tile's exp2 are taken against the running
+// max as it stands, without the tile's own row max (64 FMNMX and 4 shuffles a thread a 64 x 128 tile, ~15% of a
+// prefill tile's instructions). The lane's share of each row's sum then bounds every probability it holds; if every
+// share in the warp is at most FAST_SHARE_LIMIT (so P <= 2^15: fine in fp32 sums and in bf16 / fp16 P, as lazy
+// rescaling's 2^8 is) the tile is done and the max stays (no rescale: the result is false). Otherwise (a max that
+// jumped by more than 2^15 / 32, or a probability that overflowed) `recompute(att)` puts the raw scores back
+// (S = Q K^T again, its wait included) and the exact step runs; with a row that has seen no key it runs at once.
+// `group_all(pred)`: whether pred holds in every warp of the group that runs the recompute's product (a
+// warpgroup: all of its warps must issue it, or none).
+inline constexpr float FAST_SHARE_LIMIT = 32768.f;
+template <bool Lazy, unsigned RowSlots, bool Fast, typename S, typename V, typename Visibility, typename Masked,
+          typename Recompute, typename GroupAll>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
-                                               const Visibility& vis, int row0, int col0, Masked masked) {
+                                               const Visibility& vis, int row0, int col0, Masked masked,
+                                               Recompute recompute, GroupAll group_all) {
   using namespace kittens;
-  if (sc.softcap > 0.f) {
-    // cap * tanh(y) = cap - 2 cap / (1 + 2^(2 log2(e) y)): one ex2 and one rcp a score. tanhf's long expansion
-    // held enough registers across the loop to spill (D=128: 56 bytes), softcap or not. Saturates cleanly:
-    // 2^+inf gives cap, 2^-inf gives -cap; the absolute error near 0 is ~1e-7 cap, far below bf16's.
-    const float k = 2.f * sc.scale_log2 / sc.softcap, cap = sc.softcap, two_cap = 2.f * sc.softcap;
-    map(att, att, [k, cap, two_cap](float x) { return cap - __fdividef(two_cap, 1.f + fast_exp2(x * k)); });
-  }
-  if (masked()) {
-    const auto keys = [&vis](int row, int& lo, int& hi) { vis.keys(row, lo, hi); };
-    // Without a window's left edge no row's keys start inside the tile: one compare an element, not two. Same-call
-    // A/B (session 24, two rounds): dense causal prefill 0.975-0.992 at D=64 / 128, full masks and decode within 1%.
-    if (vis.left >= 0) mask_cols<RowSlots>(att, att, row0, col0, keys, -INFINITY);
-    else mask_cols<RowSlots, false>(att, att, row0, col0, keys, -INFINITY);
-  }
   const float es = sc.exp_scale();
+  const auto prepare = [&] {
+    if (sc.softcap > 0.f) {
+      // cap * tanh(y) = cap - 2 cap / (1 + 2^(2 log2(e) y)): one ex2 and one rcp a score. tanhf's long expansion
+      // held enough registers across the loop to spill (D=128: 56 bytes), softcap or not. Saturates cleanly:
+      // 2^+inf gives cap, 2^-inf gives -cap; the absolute error near 0 is ~1e-7 cap, far below bf16's.
+      const float k = 2.f * sc.scale_log2 / sc.softcap, cap = sc.softcap, two_cap = 2.f * sc.softcap;
+      map(att, att, [k, cap, two_cap](float x) { return cap - __fdividef(two_cap, 1.f + fast_exp2(x * k)); });
+    }
+    if (masked()) {
+      const auto keys = [&vis](int row, int& lo, int& hi) { vis.keys(row, lo, hi); };
+      // Without a window's left edge no row's keys start inside the tile: one compare an element, not two.
+      // Same-call A/B (session 24, two rounds): dense causal prefill 0.975-0.992 at D=64 / 128, full masks and
+      // decode within 1%.
+      if (vis.left >= 0) mask_cols<RowSlots>(att, att, row0, col0, keys, -INFINITY);
+      else mask_cols<RowSlots, false>(att, att, row0, col0, keys, -INFINITY);
+    }
+  };
+  prepare();
+  if constexpr (Fast) {
+    bool seen = true;  // every row of the warp has seen a key (a task's first tile: none has)
+#pragma unroll
+    for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+      for (int i = 0; i < V::per_lane; i++) seen &= m.data[b][i] != -INFINITY;
+    seen = __all_sync(0xffffffffu, seen);
+    V share;
+    bool fits = true;  // an overflow (inf) fails the test
+    if (seen) {
+      V base;
+      map(base, m, [es](float x) { return x * es; });
+      map_row<RowSlots>(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
+      zero(share);
+      row_sum_share<RowSlots>(share, att, share);
+#pragma unroll
+      for (int b = 0; b < V::blocks; b++)
+#pragma unroll
+        for (int i = 0; i < V::per_lane; i++) fits &= share.data[b][i] <= FAST_SHARE_LIMIT;
+    }
+    // The recompute is a warpgroup's product: all of its warps run it if one needs it (a warp that skipped the
+    // fast path gets its own scores back).
+    if (group_all(fits)) {
+      if (seen) {
+        map(l, l, share, [](float x, float y) { return x + y; });
+        return false;
+      }
+    } else {
+      recompute(att);
+      prepare();
+    }
+  }
   V m_new, base;
   row_max<RowSlots>(m_new, att, m);
   bool moved = false;  // Lazy: whether any of this lane's rows moved its max
@@ -126,6 +175,14 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   if constexpr (Lazy) return __any_sync(0xffffffffu, moved);
   else return true;
 }
+// Without Fast (no recompute).
+template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility, typename Masked>
+__device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
+                                               const Visibility& vis, int row0, int col0, Masked masked) {
+  return online_softmax<Lazy, RowSlots, false>(att, m, l, rescale, sc, vis, row0, col0, masked, [](S&) {},
+                                               [](bool) { return true; });
+}
+
 template <bool Lazy = false, unsigned RowSlots = ~0u, typename S, typename V, typename Visibility>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0) {

@@ -73,6 +73,32 @@ def test_many_tasks_per_cta(d, causal, seed):
     _check(out, lse, ref_out, ref_lse, f"many tasks d={d} causal={causal} lq={lq} lk={lk} seed={seed}")
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("boost", [6.0, 60.0, 2000.0])
+def test_score_jumps(d, causal, boost, seed):
+    """A few keys far stronger than every one before them, late in long sequences: the running max jumps mid-task
+    by a little, by a lot (the softmax's fast path hands the tile to its exact step) and by more than 2^128 (its
+    probabilities overflow)."""
+    rng = random.Random(seed)
+    lq = _lengths(rng, 3, 400, 1000)
+    q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
+    start = 0
+    for n in lq:
+        for pos in rng.sample(range(300, n), 3):
+            k[start + pos] *= boost
+        start += n
+    cu = _cu(lq)
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu, cu, max(lq), max(lq), causal=causal, out=out,
+                                               return_softmax_lse=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu, cu, causal=causal)
+    _check(out, lse, ref_out, ref_lse, f"score jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}")
+
+
 @pytest.mark.parametrize("window,softcap", [((64, 0), 0.0), ((100, 37), 0.0), ((-1, -1), 30.0), ((256, -1), 5.0)])
 def test_window_softcap(window, softcap, seed):
     rng = random.Random(seed)

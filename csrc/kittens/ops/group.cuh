@@ -33,6 +33,21 @@ struct group {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
   }
 
+  // Whether `pred` holds in every thread of the group: one vote, the same answer in all its warps (named barrier
+  // `id`, as sync; a warp's __all_sync answers for the warp only).
+  __device__ static __forceinline__ bool all(int id, bool pred) {
+    if constexpr (NW == 1) {
+      return __all_sync(0xffffffffu, pred);
+    } else {
+      int r;
+      asm volatile("{\n.reg .pred p, q;\nsetp.ne.b32 p, %1, 0;\nbar.red.and.pred q, %2, %3, p;\nselp.b32 %0, 1, 0, q;\n}"
+                   : "=r"(r)
+                   : "r"(int(pred)), "r"(id), "n"(threads)
+                   : "memory");
+      return r != 0;
+    }
+  }
+
   // ---- registers <-> shared ------------------------------------------------------------------------
   // Each warp moves its row block: dst rows = src rows / NW.
   // 16-bit tiles move a 16x16 fragment per ldmatrix/stmatrix.x4 (the col layout through .trans); other
