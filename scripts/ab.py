@@ -131,9 +131,10 @@ def main() -> int:
     parser.add_argument("--test", action="append", default=[], help="pytest files each variant must pass first")
     parser.add_argument("--test-for", action="append", default=[], metavar="NAME=PYTEST_FILE",
                         help="a pytest file only variant NAME must pass first")
-    parser.add_argument("--test-timeout", type=int, default=240,
+    parser.add_argument("--test-timeout", type=int, default=120,
                         help="seconds a variant's test file may run: past it (a kernel that hangs, e.g. on a "
-                             "semaphore) the variant counts as failed and the others go on, within the call's limit")
+                             "semaphore) the variant counts as failed and the others go on, within the call's limit "
+                             "(test_attention / test_decode take ~10 s; session 28 lost 480 s to two hung variants)")
     parser.add_argument("--root", type=Path, default=Path("/tmp/ab"))
     parser.add_argument("--rounds", type=int, default=1,
                         help="time base, variants, base ... this many times over (short kernels whose time is "
