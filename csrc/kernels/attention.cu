@@ -345,11 +345,11 @@ struct attn_prefill {
     warpgroup::mma_async_wait<0>();
   }
   // Serial order: a consumer whose 64 rows all lie before the sequence's start (the first query block of a
-  // sequence that is not a multiple of 192 long, see task) or past its end loads and computes nothing, and one skips the tiles none of
-  // its rows sees (seen_lo / seen_hi): a task's tiles cover all 192 rows' keys, and under a causal mask the
-  // first consumer's rows end 128 keys before the last's, so its last tile is often all masked (a window's
-  // first tiles likewise). The overlapped order computes both: its products and the pipeline's release points
-  // would need a branch around the wgmma.
+  // sequence that is not a multiple of 192 long, see task) or past its end loads and computes nothing, and one
+  // skips the tiles none of its rows sees (seen_lo / seen_hi): a task's tiles cover all 192 rows' keys, and under
+  // a causal mask the first consumer's rows end 128 keys before the last's, so its last tile is often all masked
+  // (a window's first tiles likewise). The overlapped order computes both: its products and the pipeline's release
+  // points would need a branch around the wgmma.
   __device__ static bool idle(const task_t& t, int wg) {
     const int r0 = t.row0 + wg * QROWS;
     return serial && (r0 >= t.lq || r0 < 0);
@@ -367,7 +367,8 @@ struct attn_prefill {
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   // Fast (a task's later tiles, below D=256): online_softmax's Fast path, which runs S = Q K^T again (K's stage and
-  // the queries are still held) when the tile cannot take it. (At D=256 it made the consumers spill ~30 bytes, in the serial D=128 kernel ~140.)
+  // the queries are still held) when the tile cannot take it. Not at D=256 nor in the serial kernel: there it made
+  // the consumers spill ~30 and ~140 bytes (see ab/prefill-serial-fast.patch for a serial kernel that does not).
   static constexpr bool fast_softmax = D <= 128 && !serial;
   template <bool Fast>
   __device__ static void softmax(consumer_state& s, s_tile& att, scratch_block& scratch, const input_block& in,

@@ -40,10 +40,11 @@ struct group {
       return __all_sync(0xffffffffu, pred);
     } else {
       int r;
-      asm volatile("{\n.reg .pred p, q;\nsetp.ne.b32 p, %1, 0;\nbar.red.and.pred q, %2, %3, p;\nselp.b32 %0, 1, 0, q;\n}"
-                   : "=r"(r)
-                   : "r"(int(pred)), "r"(id), "n"(threads)
-                   : "memory");
+      asm volatile(
+          "{\n.reg .pred p, q;\nsetp.ne.b32 p, %1, 0;\nbar.red.and.pred q, %2, %3, p;\nselp.b32 %0, 1, 0, q;\n}"
+          : "=r"(r)
+          : "r"(int(pred)), "r"(id), "n"(threads)
+          : "memory");
       return r != 0;
     }
   }
