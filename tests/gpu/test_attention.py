@@ -28,6 +28,16 @@ def _check(out, lse, ref_out, ref_lse, what):
     assert_close(lse[finite], ref_lse[finite], rel=1e-3, atol=1e-3, what=f"{what} lse")
 
 
+def _run_and_check(q, k, v, cu_q, cu_k, max_q, max_k, what, **kw):
+    """flash_attn_varlen_func into a NaN-poisoned output, against the float32 reference with the same arguments."""
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, out=out, return_softmax_lse=True,
+                                               **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu_q, cu_k, **kw)
+    _check(out, lse, ref_out, ref_lse, what)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -40,13 +50,8 @@ def test_varlen(d, causal, group, seed):
     q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    out = torch.full_like(q, float("nan"))
-    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, out=out,
-                                               return_softmax_lse=True)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = reference.attention(q, k, v, cu_q, cu_k, causal=causal)
-    _check(out, lse, ref_out, ref_lse, f"varlen d={d} causal={causal} group={group} lq={lq} lk={lk} seed={seed}")
+    _run_and_check(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk),
+                   f"varlen d={d} causal={causal} group={group} lq={lq} lk={lk} seed={seed}", causal=causal)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -64,13 +69,8 @@ def test_many_tasks_per_cta(d, causal, seed):
     q = torch.randn(sum(lq), hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    out = torch.full_like(q, float("nan"))
-    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(max(lk), 1), causal=causal,
-                                               out=out, return_softmax_lse=True)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = reference.attention(q, k, v, cu_q, cu_k, causal=causal)
-    _check(out, lse, ref_out, ref_lse, f"many tasks d={d} causal={causal} lq={lq} lk={lk} seed={seed}")
+    _run_and_check(q, k, v, _cu(lq), _cu(lk), max(lq), max(max(lk), 1),
+                   f"many tasks d={d} causal={causal} lq={lq} lk={lk} seed={seed}", causal=causal)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -92,12 +92,8 @@ def test_score_jumps(d, causal, boost, longest, seed):
             k[start + pos] *= boost
         start += n
     cu = _cu(lq)
-    out = torch.full_like(q, float("nan"))
-    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu, cu, max(lq), max(lq), causal=causal, out=out,
-                                               return_softmax_lse=True)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = reference.attention(q, k, v, cu, cu, causal=causal)
-    _check(out, lse, ref_out, ref_lse, f"score jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}")
+    _run_and_check(q, k, v, cu, cu, max(lq), max(lq),
+                   f"score jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}", causal=causal)
 
 
 @pytest.mark.parametrize("window,softcap", [((64, 0), 0.0), ((100, 37), 0.0), ((-1, -1), 30.0), ((256, -1), 5.0)])
@@ -136,14 +132,9 @@ def test_paged(block_size, combined, seed):
     q = torch.randn(sum(new), hq, d, device="cuda", dtype=torch.bfloat16)
     cu_q = _cu(new)
     seqused = torch.tensor(ctx, dtype=torch.int32, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    _, lse = tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, max(new), max(ctx), causal=True,
-                                               block_table=block_table, seqused_k=seqused, out=out,
-                                               return_softmax_lse=True)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = reference.attention(q, k_cache, v_cache, cu_q, None, causal=True, block_table=block_table,
-                                           seqused_k=seqused)
-    _check(out, lse, ref_out, ref_lse, f"paged bs={block_size} combined={combined} new={new} ctx={ctx} seed={seed}")
+    _run_and_check(q, k_cache, v_cache, cu_q, None, max(new), max(ctx),
+                   f"paged bs={block_size} combined={combined} new={new} ctx={ctx} seed={seed}", causal=True,
+                   block_table=block_table, seqused_k=seqused)
 
 
 def test_dense_batched(seed):
