@@ -19,7 +19,7 @@ namespace {
 
 using tk::attn::LOG2E;
 
-template <typename T, int D, int C, bool Claims>
+template <typename T, int D, int C, bool Claims, bool FastSerial>
 struct attn_prefill {
   // C consumers, 64 query rows each. Three (D=64 and D=128; 192 queries a task): each K/V tile loaded serves
   // 1.5x the queries of two. D=128 then has 160 registers a thread, too few to hold the next tile's scores
@@ -268,7 +268,7 @@ struct attn_prefill {
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int wg) {
     if constexpr (serial) {
-      serial_tile(s, in, scratch, g, t, it, wg);
+      serial_tile<true>(s, in, scratch, g, t, it, wg);
       return;
     }
     s_tile att;
@@ -308,7 +308,7 @@ struct attn_prefill {
           s.seen_hi = ceil_div(end, KV) - t.first;
         }
       }
-      serial_tile(s, in, scratch, g, t, 0, wg);
+      serial_tile<false>(s, in, scratch, g, t, 0, wg);
       return;
     }
     s_tile att;
@@ -325,6 +325,7 @@ struct attn_prefill {
 
   // Serial order (see `serial`): tile `it`'s scores, softmax and P V, all done on return. Its rows past the
   // sequence's end are zeroed in V first on the last tile (see drain).
+  template <bool Fast>
   __device__ static void serial_tile(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                      const task_t& t, int it, int wg) {
     s_tile att;
@@ -336,7 +337,7 @@ struct attn_prefill {
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
-    softmax<true>(s, att, scratch, in, g, t, it, wg);
+    softmax<Fast>(s, att, scratch, in, g, t, it, wg);
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     rt<T, 16, KV> p;
     copy(p, att);
@@ -367,9 +368,11 @@ struct attn_prefill {
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the
   // running max and sum and leaves in s.rescale the factor the accumulated output must take.
   // Fast (a task's later tiles, below D=256): online_softmax's Fast path, which runs S = Q K^T again (K's stage and
-  // the queries are still held) when the tile cannot take it. Not at D=256 nor in the serial kernel: there it made
-  // the consumers spill ~30 and ~140 bytes (see ab/prefill-serial-fast.patch for a serial kernel that does not).
-  static constexpr bool fast_softmax = D <= 128 && !serial;
+  // the queries are still held) when the tile cannot take it. (At D=256 it made the consumers spill ~30 bytes.)
+  // The serial kernel takes it without FastIfSeen (see online_softmax; with it, ~140 bytes of spill): a consumer
+  // whose first tile is not the task's (a window's) runs that tile's S twice.
+  // FastSerial: the serial kernel's later tiles take it too (launched under causal masks: see run_serial).
+  static constexpr bool fast_softmax = D <= 128 && (!serial || FastSerial);
   template <bool Fast>
   __device__ static void softmax(consumer_state& s, s_tile& att, scratch_block& scratch, const input_block& in,
                                  const globals& g, const task_t& t, int it, int wg) {
@@ -384,7 +387,7 @@ struct attn_prefill {
       warpgroup::mma_async_wait<0>();
     };
     const auto group_all = [wg](bool pred) { return warpgroup::all(1 + wg, pred); };
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax>(
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial>(
         att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 
@@ -460,23 +463,20 @@ inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim, in
   return int(std::clamp<long>(std::min(kv_heads * gqa, one_wave), 1, pairs));
 }
 
-// Three consumers (192-row query blocks) pay off unless the mask is causal over short sequences (session 9 on
-// the H200, same-call A/B against two consumers: full 0.89-0.98, causal n=16384 0.91-0.98, varlen causal up to 8000
-// tokens 0.95, a 4k chunk over a 28k prefix 0.89; but causal n=1024 and n=4096 1.06-1.12). Then the ragged block
-// of a sequence that is not a multiple of 192 long was its last, longest one; since its blocks align to its end
-// (attn_prefill::task) it is the first, shortest one, and three consumers under a causal mask still lost (session
-// 28: D=64 n=1024 / 4096 1.044 / 1.086, D=128 n=1024 1.005). At D=128 claimed tasks (attn_prefill::dynamic) turn
-// causal n=4096 around: 0.96 of two strided consumers' time (session 10). D=128 full masks over <= 1024 keys
-// take two as well: a 1024-token sequence leaves one 192-row block a third full, and the serial order runs that
-// block's one consumer alone (session 25, same-call A/B: b64 n=1024 full 0.968, the rest within 1-3% drift).
-inline bool three_consumers(const tk::attn_varlen_problem& p) {
-  if (p.head_dim == 128) return p.max_seqlen_k > 1024;
-  return p.head_dim == 64 && (!p.causal || p.max_seqlen_k > 4096);
-}
+// Three consumers (192-row query blocks) pay off at D=64 (session 9 on the H200, same-call A/B against two: full
+// 0.89-0.98, causal n=16384 0.91-0.98). Under causal masks over <= 4096 keys they lost (1.06-1.12) until a
+// sequence's blocks aligned to its end (attn_prefill::task: the ragged block is its shortest) and the softmax's fast
+// path took ~7% off three consumers' tiles and nothing off two's (session 29, same-call A/B, two rounds: causal
+// n=1024 / 4096 / 16384 0.964 / 1.009 / 1.005, full 0.988-0.998), so D=64 has no two-consumer kernel. At D=128
+// (serial, 160 registers) two overlapped consumers stay the better kernel over <= 1024 keys: there causal three
+// lost 1.005 (session 28), and a 1024-token sequence leaves one 192-row block a third full, which the serial order
+// runs with one consumer alone (session 25: b64 n=1024 full 0.968 on two). Past 1024 keys, claimed tasks
+// (attn_prefill::dynamic) turn causal n=4096 around: 0.96 of two strided consumers' time (session 10).
+inline bool three_consumers(const tk::attn_varlen_problem& p) { return p.head_dim != 128 || p.max_seqlen_k > 1024; }
 
-template <typename T, int D, int C, bool Claims = false>
+template <typename T, int D, int C, bool Claims = false, bool FastSerial = false>
 void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
-  using K = attn_prefill<T, D, C, Claims>;
+  using K = attn_prefill<T, D, C, Claims, FastSerial>;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   const bool paged = p.block_table != nullptr;
   typename K::globals g{};
@@ -517,13 +517,21 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   lcsf::launch<K>(g, ctas, stream);
 }
 
+// The serial kernel's fast softmax (attn_prefill::fast_softmax) under causal masks only. Same-call A/B (session 29,
+// two rounds): causal n=4096 / 16384 0.929 / 0.955 (claimed tasks), gqa 0.949, varlen 0.952, paged 0.964 / 0.966;
+// but full masks n=4096 / 16384 1.038 / 1.039, so those keep the exact step (its own instantiation).
+template <typename T>
+void run_serial(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
+  if (tk::attn_varlen_claims(p)) return run<T, 128, 3, true, true>(p, num_sms, stream);
+  if (p.causal) return run<T, 128, 3, false, true>(p, num_sms, stream);
+  run<T, 128, 3>(p, num_sms, stream);
+}
+
 template <typename T>
 void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return three_consumers(p) ? run<T, 64, 3>(p, num_sms, stream) : run<T, 64, 2>(p, num_sms, stream);
-    case 128:
-      if (!three_consumers(p)) return run<T, 128, 2>(p, num_sms, stream);
-      return tk::attn_varlen_claims(p) ? run<T, 128, 3, true>(p, num_sms, stream) : run<T, 128, 3>(p, num_sms, stream);
+    case 64: return run<T, 64, 3>(p, num_sms, stream);
+    case 128: return three_consumers(p) ? run_serial<T>(p, num_sms, stream) : run<T, 128, 2>(p, num_sms, stream);
     case 256:
       return tk::attn_varlen_claims(p) ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);
   }
