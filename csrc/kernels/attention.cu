@@ -32,7 +32,8 @@ struct attn_prefill {
   static constexpr bool serial = C == 3 && D == 128;
   // Claims: tasks are claimed (lcsf's dynamic tasks), not strided: causal tasks differ in length, and a CTA
   // that drew short ones takes more instead of idling while another runs long ones. tk::attn_varlen_claims
-  // says when: causal masks at D=256, and over dense K/V at D=128 with three consumers. Measured (session 10, same-call
+  // says when: causal masks at D=256, and over dense K/V at D=128 with three consumers and at D=64 over 1025-4096
+  // keys. Measured (session 10, same-call
   // A/Bs): D=256 causal 0.84-0.96 of the stride order's time; three claiming consumers at D=128 causal
   // n=4096 / 16384 0.96 / 0.90, varlen 0.93. But full masks (equal tasks) 1.03-1.04 at D=256, D=64/128 causal
   // at n <= 4096 with two consumers 1.01-1.05, D=64 with three 1.02-1.06, and paged K/V with three 1.065:
@@ -530,7 +531,7 @@ void run_serial(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stre
 template <typename T>
 void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return run<T, 64, 3>(p, num_sms, stream);
+    case 64: return tk::attn_varlen_claims(p) ? run<T, 64, 3, true>(p, num_sms, stream) : run<T, 64, 3>(p, num_sms, stream);
     case 128: return three_consumers(p) ? run_serial<T>(p, num_sms, stream) : run<T, 128, 2>(p, num_sms, stream);
     case 256:
       return tk::attn_varlen_claims(p) ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);
@@ -541,10 +542,21 @@ void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t strea
 
 namespace tk {
 
-// Claimed tasks (attn_prefill::Claims): causal masks at D=256, and over dense K/V at D=128 with three consumers.
+// Claimed tasks (attn_prefill::Claims): causal masks at D=256, and over dense K/V at D=128 with three consumers
+// and at D=64 over 1025-4096 keys. There (b16 h32 n=4096) ncu found the stride order's SMs active 84% of the
+// kernel's time and its L2 hit rate 40% (FA3, which claims its tasks: 99%, 79%; full masks n=2048, the same tile
+// work: 98%, 80%): with L2 / 2 groups (25 heads at n=4096) the stride hands some CTAs the longer tasks of every
+// group (a model of the order: 5% over the mean at n=2048-4096, <= 1.7% at 1024 and 8192-16384), and CTAs that
+// drift apart read from groups no longer in L2. Same-call A/B (session 29, two rounds): causal n=4096 0.915, but
+// n=1024 1.096 and n=16384 1.033, where the stride balances and the claiming kernel's per-task costs and spill
+// (252 bytes) show. (n=2048 is not measured.)
 bool attn_varlen_claims(const attn_varlen_problem& p) {
-  if (!p.causal) return false;
-  return p.head_dim == 256 || (p.head_dim == 128 && three_consumers(p) && p.block_table == nullptr);
+  if (!p.causal || p.block_table != nullptr) return p.causal && p.head_dim == 256;
+  switch (p.head_dim) {
+    case 64: return p.max_seqlen_k > 1024 && p.max_seqlen_k <= 4096;
+    case 128: return three_consumers(p);
+    default: return true;
+  }
 }
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
