@@ -32,8 +32,7 @@ struct attn_prefill {
   static constexpr bool serial = C == 3 && D == 128;
   // Claims: tasks are claimed (lcsf's dynamic tasks), not strided: causal tasks differ in length, and a CTA
   // that drew short ones takes more instead of idling while another runs long ones. tk::attn_varlen_claims
-  // says when: causal masks at D=256, and over dense K/V at D=128 with three consumers and at D=64 over 1025-4096
-  // keys. Measured (session 10, same-call
+  // says when: causal masks at D=256, and over dense K/V at D=128 with three consumers. Measured (session 10, same-call
   // A/Bs): D=256 causal 0.84-0.96 of the stride order's time; three claiming consumers at D=128 causal
   // n=4096 / 16384 0.96 / 0.90, varlen 0.93. But full masks (equal tasks) 1.03-1.04 at D=256, D=64/128 causal
   // at n <= 4096 with two consumers 1.01-1.05, D=64 with three 1.02-1.06, and paged K/V with three 1.065:
@@ -165,9 +164,20 @@ struct attn_prefill {
   // Task order, L2-aware: (sequence, head) pairs go in groups of heads_per_group, whose K/V fit in L2 together;
   // within a group the query blocks go latest (longest under a causal mask) first, the group's heads
   // interleaved, so the CTAs running at once stream the same few heads' K/V and read them from L2. (Head-major
-  // over all pairs would give every CTA its own head and make the kernel HBM-bound.)
+  // over all pairs would give every CTA its own head and make the kernel HBM-bound.) Under a causal mask the
+  // stride order's odd waves run reversed (zigzag), so each CTA's long and short tasks alternate: otherwise the
+  // stride hands some CTAs the longer tasks of every group, and the CTAs drift apart and read groups no longer in
+  // L2. ncu at D=64 causal b16 h32 n=4096 (session 29), plain stride: SMs active 84% of the kernel's time, L2 hit
+  // rate 40% (FA3 99% / 79%); claimed tasks brought it to 98% / 77% and 0.915 of the time, and zigzag to 0.933 of
+  // the claimed tasks' time (same-call A/Bs, two rounds; the other causal cases within the base's drift).
   __device__ static task_t task(const globals& g, int id, int) {
     task_t t;
+    // (Not in the serial kernel, which spilled 132 bytes with it; its dense causal tasks claim. ptxas's allocation is
+    // fragile here: with the index written wave * ctas + ctas - 1 - ..., the D=64 consumers spilled 96 bytes.)
+    if constexpr (!Claims && !serial) {
+      const int ctas = gridDim.x, wave = id / ctas;
+      if (g.causal && (wave & 1) && (wave + 1) * ctas <= task_count(g)) id = wave * ctas + (ctas - 1) - (id - wave * ctas);
+    }
     const int heads = g.batch * g.hq, per_group = g.heads_per_group * g.q_blocks;
     const int group = id / per_group, first = group * g.heads_per_group, in_group = id - group * per_group;
     const int group_heads = min(g.heads_per_group, heads - first);
@@ -531,7 +541,7 @@ void run_serial(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stre
 template <typename T>
 void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return tk::attn_varlen_claims(p) ? run<T, 64, 3, true>(p, num_sms, stream) : run<T, 64, 3>(p, num_sms, stream);
+    case 64: return run<T, 64, 3>(p, num_sms, stream);
     case 128: return three_consumers(p) ? run_serial<T>(p, num_sms, stream) : run<T, 128, 2>(p, num_sms, stream);
     case 256:
       return tk::attn_varlen_claims(p) ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);
@@ -542,21 +552,13 @@ void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t strea
 
 namespace tk {
 
-// Claimed tasks (attn_prefill::Claims): causal masks at D=256, and over dense K/V at D=128 with three consumers
-// and at D=64 over 1025-4096 keys. There (b16 h32 n=4096) ncu found the stride order's SMs active 84% of the
-// kernel's time and its L2 hit rate 40% (FA3, which claims its tasks: 99%, 79%; full masks n=2048, the same tile
-// work: 98%, 80%): with L2 / 2 groups (25 heads at n=4096) the stride hands some CTAs the longer tasks of every
-// group (a model of the order: 5% over the mean at n=2048-4096, <= 1.7% at 1024 and 8192-16384), and CTAs that
-// drift apart read from groups no longer in L2. Same-call A/B (session 29, two rounds): causal n=4096 0.915, but
-// n=1024 1.096 and n=16384 1.033, where the stride balances and the claiming kernel's per-task costs and spill
-// (252 bytes) show. (n=2048 is not measured.)
+// Claimed tasks (attn_prefill::Claims): causal masks at D=256, and over dense K/V at D=128 with three consumers.
+// (D=64 causal with claimed tasks, session 29: n=4096 0.915 of the plain stride's time, but 1.07 of the zigzag
+// stride's (attn_prefill::task), n=1024 / 16384 1.096 / 1.033; the claiming D=64 consumers spill 252 bytes, and
+// 144 with a 56-register producer, which made them 1.26-1.37x slower.)
 bool attn_varlen_claims(const attn_varlen_problem& p) {
-  if (!p.causal || p.block_table != nullptr) return p.causal && p.head_dim == 256;
-  switch (p.head_dim) {
-    case 64: return p.max_seqlen_k > 1024 && p.max_seqlen_k <= 4096;
-    case 128: return three_consumers(p);
-    default: return true;
-  }
+  if (!p.causal) return false;
+  return p.head_dim == 256 || (p.head_dim == 128 && three_consumers(p) && p.block_table == nullptr);
 }
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
