@@ -168,8 +168,8 @@ struct attn_prefill {
   // stride order's odd waves run reversed (zigzag), so each CTA's long and short tasks alternate: otherwise the
   // stride hands some CTAs the longer tasks of every group, and the CTAs drift apart and read groups no longer in
   // L2. ncu at D=64 causal b16 h32 n=4096 (session 29), plain stride: SMs active 84% of the kernel's time, L2 hit
-  // rate 40% (FA3 99% / 79%); claimed tasks brought it to 98% / 77% and 0.915 of the time, zigzag to 97% / 75% and
-  // 0.933 of the claimed tasks' time (same-call A/Bs, two rounds; D=64 causal n=1024 / 16384 1.001 / 0.994).
+  // rate 40% (FA3 99% / 79%); claimed tasks brought it to 98% / 77% and 0.915 of the time, and zigzag to 0.933 of
+  // the claimed tasks' time (same-call A/Bs, two rounds; D=64 causal n=1024 / 16384 1.001 / 0.994), 97% / 75%.
   __device__ static task_t task(const globals& g, int id, int) {
     task_t t;
     // D=64 only: the serial kernel spilled 132 bytes with it (its dense causal tasks claim), and the two-consumer
@@ -178,8 +178,7 @@ struct attn_prefill {
     // consumers spilled 96 bytes.
     if constexpr (D == 64) {
       const int ctas = gridDim.x, wave = id / ctas;
-      if (g.causal && (wave & 1) && (wave + 1) * ctas <= task_count(g))
-        id = wave * ctas + (ctas - 1) - (id - wave * ctas);
+      if (g.causal && (wave & 1) && (wave + 1) * ctas <= task_count(g)) id = wave * ctas + (ctas - 1) - (id - wave * ctas);
     }
     const int heads = g.batch * g.hq, per_group = g.heads_per_group * g.q_blocks;
     const int group = id / per_group, first = group * g.heads_per_group, in_group = id - group * per_group;

@@ -86,9 +86,8 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // rescaling's 2^8 is) the tile is done and the max stays (no rescale: the result is false). Otherwise (a max that
 // jumped by more than 2^15 / 32, or a probability that overflowed) `recompute(att)` puts the raw scores back
 // (S = Q K^T again, its wait included) and the exact step runs. A row that has seen no key yet (m = -inf) sends the
-// warp to the exact step at once with FastIfSeen; without it the row's share comes out inf or NaN and fails the test,
-// so the recompute and the exact step run (one vote less a tile, and ~140 bytes of spill less in the 160-register
-// serial prefill kernel).
+// warp to the exact step at once with FastIfSeen, and fails the test (after the recompute) without it: one vote
+// less a tile, and ~140 bytes of spill less in the 160-register serial prefill kernel.
 // `group_all(pred)`: whether pred holds in every warp of the group that runs the recompute's product (a
 // warpgroup: all of its warps must issue it, or none).
 inline constexpr float FAST_SHARE_LIMIT = 32768.f;
