@@ -32,16 +32,24 @@ struct visibility {
   // partial's test as bounds on col0: tiles past `after` (keys past the end, causal, the window's right) or before
   // `before` (the window's left). A kernel whose rows stay put over a task's tiles works these out once and tests
   // two bounds a tile. (partial keeps its own expression: built on this, the serial D=128 kernel spilled.)
+  // hidden_after: tiles past it hide every key from every row (a caller may skip their softmax).
   struct span {
-    int after, before;
+    int after, before, hidden_after;
     __device__ __forceinline__ bool masks(int col0) const { return (col0 > after) | (col0 < before); }
+    __device__ __forceinline__ bool hides(int col0) const { return col0 > hidden_after; }
   };
   __device__ __forceinline__ span mask_span(int row0, int rows, int cols) const {
     const int q_lo = query(row0) + offset, q_hi = query(row0 + rows - 1) + offset;
-    int after = lk - cols;                             // c_hi = col0 + cols - 1 >= lk
-    if (causal) after = min(after, q_lo - cols + 1);  // c_hi > q_lo
-    if (right >= 0) after = min(after, q_lo + right - cols + 1);
-    return {after, left >= 0 ? q_hi - left : INT_MIN};
+    int after = lk - cols, hidden = lk - 1;  // c_hi = col0 + cols - 1 >= lk; col0 >= lk
+    if (causal) {
+      after = min(after, q_lo - cols + 1);  // c_hi > q_lo
+      hidden = min(hidden, q_hi);           // col0 > q_hi
+    }
+    if (right >= 0) {
+      after = min(after, q_lo + right - cols + 1);
+      hidden = min(hidden, q_hi + right);
+    }
+    return {after, left >= 0 ? q_hi - left : INT_MIN, hidden};
   }
   // Does the tile [row0, row0 + rows) x [col0, col0 + cols) hide any key from any of its rows?
   __device__ __forceinline__ bool partial(int row0, int rows, int col0, int cols) const {
