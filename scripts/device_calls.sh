@@ -16,8 +16,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 peers() {  # the small peer wheels (fla-core, mamba_ssm, einops) and, when carried, the FA3 wheel
-  local wheels=(.whl_ssm/*.whl)
-  [ -d .whl ] && wheels+=(.whl/*.whl)
+  local wheels
+  shopt -s nullglob
+  wheels=(.whl_ssm/*.whl .whl/*.whl)  # whichever were carried
+  shopt -u nullglob
+  [ ${#wheels[@]} -gt 0 ] || { echo "peer wheels: none carried"; return; }
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${wheels[@]}" \
     >/dev/null 2>&1 || echo "peer wheels: install failed (benches will skip those peers)"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -72,6 +72,10 @@ struct attn_prefill {
     long bt_stride;
     int batch, hq, group, q_blocks, block_size, paged, causal, window_left, window_right;
     int heads_per_group;  // (sequence, head) pairs whose K/V fit in L2 together (see task)
+    // task's and load's divisors: the grid, a group's tasks, its heads (the last group's may be fewer), the query
+    // heads, and the query heads a kv head serves. (The compiler's divisions took ~5% of the D=64 consumers' stall
+    // samples at n=1024: ~20 dependent instructions each, four in a row at every task's start.)
+    divisor ctas_div, per_group_div, group_heads_div, last_group_heads_div, hq_div, group_div;
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
     int* task_counter;          // lcsf's dynamic tasks
   };
@@ -185,16 +189,16 @@ struct attn_prefill {
     // 0.4%). ptxas's allocation is fragile here: with the index written wave * ctas + ctas - 1 - ..., the D=64
     // consumers spilled 96 bytes.
     if constexpr (D == 64) {
-      const int ctas = gridDim.x, wave = id / ctas;
+      const int ctas = gridDim.x, wave = g.ctas_div.div(id);
       if (g.causal && (wave & 1) && (wave + 1) * ctas <= task_count(g)) id = wave * ctas + (ctas - 1) - (id - wave * ctas);
     }
     const int heads = g.batch * g.hq, per_group = g.heads_per_group * g.q_blocks;
-    const int group = id / per_group, first = group * g.heads_per_group, in_group = id - group * per_group;
-    const int group_heads = min(g.heads_per_group, heads - first);
-    const int qb = g.q_blocks - 1 - in_group / group_heads;
-    const int pair = first + in_group % group_heads;  // consecutive q heads share a kv head under GQA
-    t.b = pair / g.hq;
-    t.h = pair % g.hq;
+    const int group = g.per_group_div.div(id), first = group * g.heads_per_group, in_group = id - group * per_group;
+    const divisor& group_heads = heads - first < g.heads_per_group ? g.last_group_heads_div : g.group_heads_div;
+    const int qb = g.q_blocks - 1 - group_heads.div(in_group);
+    const int pair = first + group_heads.mod(in_group);  // consecutive q heads share a kv head under GQA
+    t.b = g.hq_div.div(pair);
+    t.h = pair - t.b * g.hq;
     t.q0 = g.cu_q[t.b];
     t.lq = g.cu_q[t.b + 1] - t.q0;
     t.lk = g.seqused_k ? g.seqused_k[t.b] : g.cu_k[t.b + 1] - g.cu_k[t.b];
@@ -227,7 +231,7 @@ struct attn_prefill {
 
   // Slot `it`: K/V tile it (a pair), or staggered K (even slot) or V (odd) of tile it / 2.
   __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
-    const int row = (t.first + it / SLOTS) * KV, kv_head = t.h / g.group;
+    const int row = (t.first + it / SLOTS) * KV, kv_head = g.group_div.div(t.h);
     expect_bytes(full, (staggered ? 1 : 2) * tma::bytes<kv_tile>());
     if (!g.paged) {
       if constexpr (staggered) {  // a branch, not a select of the layouts: their descriptors stay in parameter space
@@ -549,6 +553,13 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   const long tasks = long(g.q_blocks) * p.batch * p.hq;
   const int ctas = int(std::min<long>(tasks, num_sms));
   g.heads_per_group = heads_per_l2_group(p, D, g.q_blocks, ctas);
+  const int pairs = p.batch * p.hq, last_group_heads = pairs - (pairs - 1) / g.heads_per_group * g.heads_per_group;
+  g.ctas_div = divisor(ctas);
+  g.per_group_div = divisor(g.heads_per_group * g.q_blocks);
+  g.group_heads_div = divisor(g.heads_per_group);
+  g.last_group_heads_div = divisor(last_group_heads);
+  g.hq_div = divisor(p.hq);
+  g.group_div = divisor(g.group);
   if constexpr (Claims) {
     g.task_counter = p.task_counter;
     TK_CUDA_CHECK(cudaMemsetAsync(p.task_counter, 0, sizeof(int), stream));

@@ -1,5 +1,6 @@
 // kittens: a small tile DSL for Hopper (sm_90a). Include this one header.
 #pragma once
+#include "core/divisor.cuh"
 #include "core/errors.cuh"
 #include "core/ids.cuh"
 #include "core/types.cuh"
