@@ -78,6 +78,7 @@ struct attn_prefill {
     divisor ctas_div, per_group_div, group_heads_div, last_group_heads_div, hq_div, group_div;
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
     int* task_counter;          // lcsf's dynamic tasks
+    divisor block_size_div;     // paged: a page's tokens (see paged_block)
   };
   struct kv_pair { kv_tile k, v; };
   struct kv_slot { kv_tile kv; };  // staggered: K_j in an even slot, V_j in the next
@@ -229,6 +230,13 @@ struct attn_prefill {
     return {begin, end};
   }
 
+  // The page size paged_pieces divides by: a divisor at D=128 (paged16 / paged64 0.947 / 0.946 of an integer
+  // division's time in a same-call A/B, session 30), the plain int elsewhere (there the divisor moved D=64 full
+  // n=1024 / 4096 1.024 / 1.015: what it changed in their schedules, not in their paged loads).
+  __device__ static auto paged_block(const globals& g) {
+    if constexpr (D == 128) return g.block_size_div;
+    else return g.block_size;
+  }
   // Slot `it`: K/V tile it (a pair), or staggered K (even slot) or V (odd) of tile it / 2.
   __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
     const int row = (t.first + it / SLOTS) * KV, kv_head = g.group_div.div(t.h);
@@ -247,7 +255,7 @@ struct attn_prefill {
     // belongs to the sequence (a sliding-window cache may have recycled the pages behind the window).
     const int last_piece = (t.lk - 1) / PAGE_PIECE * PAGE_PIECE, first_piece = t.lo / PAGE_PIECE * PAGE_PIECE;
     tk::attn::paged_pieces<KV / PAGE_PIECE>(
-        g.block_table + t.b * g.bt_stride, g.block_size,
+        g.block_table + t.b * g.bt_stride, paged_block(g),
         [&](int s) { return max(min(row + s * PAGE_PIECE, last_piece), first_piece); },
         [&](int s, int page, int at_row) {
           const coord at{.b = page, .d = kv_head, .row = at_row};
@@ -543,7 +551,6 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   g.hq = p.hq;
   g.group = p.hq / p.hkv;
   g.q_blocks = ceil_div(p.max_seqlen_q, K::BQ);
-  g.block_size = p.block_size;
   g.paged = paged;
   g.causal = p.causal;
   g.window_left = p.window_left;
@@ -560,6 +567,8 @@ void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   g.last_group_heads_div = divisor(last_group_heads);
   g.hq_div = divisor(p.hq);
   g.group_div = divisor(g.group);
+  g.block_size = p.block_size;
+  g.block_size_div = divisor(paged ? p.block_size : 1);
   if constexpr (Claims) {
     g.task_counter = p.task_counter;
     TK_CUDA_CHECK(cudaMemsetAsync(p.task_counter, 0, sizeof(int), stream));
