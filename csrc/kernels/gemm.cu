@@ -37,7 +37,8 @@ struct gemm_kernel {
     gl<T, 1, 1, RUNTIME, RUNTIME, a_tile> a;
     gl<T, 1, 1, RUNTIME, RUNTIME, b_tile, b_part> b;
     gl<T, 1, 1, RUNTIME, RUNTIME, c_block> c;
-    int tiles_m, tiles_n, k_iters, group_rows;
+    int tiles_m, tiles_n, k_iters;
+    grouped_raster order;  // over (tiles_m / Cluster) x tiles_n
   };
   struct input_block { a_tile a; b_tile b; };
   struct scratch_block { c_block c[consumers][batch]; };
@@ -48,7 +49,7 @@ struct gemm_kernel {
   // Tasks are cluster-sized stacks of row blocks; rank r of the cluster takes row block r of the stack.
   __device__ static int task_count(const globals& g) { return ceil_div(g.tiles_m, Cluster) * g.tiles_n; }
   __device__ static task_t task(const globals& g, int id, int rank) {
-    const tile_xy t = grouped_order(id, ceil_div(g.tiles_m, Cluster), g.tiles_n, g.group_rows);
+    const tile_xy t = g.order(id);
     return {t.row * Cluster + rank, t.col, g.k_iters, rank};
   }
 
@@ -153,8 +154,9 @@ void run(const tk::gemm_problem& p, int group_rows, int num_sms, cudaStream_t st
       .tiles_m = ceil_div(int(p.m), K::BM),
       .tiles_n = ceil_div(int(p.n), K::BN),
       .k_iters = ceil_div(int(p.k), K::BK),
-      .group_rows = group_rows,
+      .order = {},
   };
+  g.order = grouped_raster(ceil_div(g.tiles_m, Cluster), g.tiles_n, group_rows);
   // Balanced grid: the fewest CTAs that still take the tiles in as many rounds as one CTA per SM would, so
   // that every CTA runs the same number of tiles (4096^3: 512 tiles in 4 rounds on 128 CTAs, not 116 CTAs
   // running 4 and 16 running 3) and each round covers whole tile groups of the L2 order.
