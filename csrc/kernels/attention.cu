@@ -73,9 +73,8 @@ struct attn_prefill {
     int batch, hq, group, q_blocks, block_size, paged, causal, window_left, window_right;
     int heads_per_group;  // (sequence, head) pairs whose K/V fit in L2 together (see task)
     // task's and load's divisors: the grid, a group's tasks, its heads (the last group's may be fewer), the query
-    // heads, and the query heads a kv head serves. The compiler's divisions took ~5% of the D=64 consumers' stall
-    // samples at n=1024 (~20 dependent instructions each, four in a row at every task's start); same-call A/B
-    // (session 30): 0.965-0.991 of their time on 20 of the 22 bench cases.
+    // heads, and the query heads a kv head serves. (The compiler's divisions took ~5% of the D=64 consumers' stall
+    // samples at n=1024: ~20 dependent instructions each, four in a row at every task's start.)
     divisor ctas_div, per_group_div, group_heads_div, last_group_heads_div, hq_div, group_div;
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
     int* task_counter;          // lcsf's dynamic tasks
@@ -231,9 +230,9 @@ struct attn_prefill {
     return {begin, end};
   }
 
-  // The page size paged_pieces divides by: a divisor at D=128 (paged16 / paged64 0.954 / 0.963 of an integer
-  // division's time, same-call A/B in session 30), the plain int elsewhere (with the divisor in every kernel, D=64
-  // full n=1024 / 4096 measured 1.024 / 1.015: what it changed in their schedules, not in their paged loads).
+  // The page size paged_pieces divides by: a divisor at D=128 (paged16 / paged64 0.947 / 0.946 of an integer
+  // division's time in a same-call A/B, session 30), the plain int elsewhere (there the divisor moved D=64 full
+  // n=1024 / 4096 1.024 / 1.015: what it changed in their schedules, not in their paged loads).
   __device__ static auto paged_block(const globals& g) {
     if constexpr (D == 128) return g.block_size_div;
     else return g.block_size;

@@ -147,16 +147,16 @@ void run(const tk::gemm_problem& p, int group_rows, int num_sms, cudaStream_t st
   auto* b = static_cast<T*>(const_cast<void*>(p.b));
   auto* c = static_cast<T*>(p.c);
   const long b_rows = BIsNK ? p.n : p.k, b_cols = BIsNK ? p.k : p.n;
-  const int tiles_m = ceil_div(int(p.m), K::BM), tiles_n = ceil_div(int(p.n), K::BN);
   typename K::globals g{
       .a = {a, {1, 1, p.m, p.k}, {0, 0, p.lda, 1}},
       .b = {b, {1, 1, b_rows, b_cols}, {0, 0, p.ldb, 1}},
       .c = {c, {1, 1, p.m, p.n}, {0, 0, p.ldc, 1}},
-      .tiles_m = tiles_m,
-      .tiles_n = tiles_n,
+      .tiles_m = ceil_div(int(p.m), K::BM),
+      .tiles_n = ceil_div(int(p.n), K::BN),
       .k_iters = ceil_div(int(p.k), K::BK),
-      .order = grouped_raster(ceil_div(tiles_m, Cluster), tiles_n, group_rows),
+      .order = {},
   };
+  g.order = grouped_raster(ceil_div(g.tiles_m, Cluster), g.tiles_n, group_rows);
   // Balanced grid: the fewest CTAs that still take the tiles in as many rounds as one CTA per SM would, so
   // that every CTA runs the same number of tiles (4096^3: 512 tiles in 4 rounds on 128 CTAs, not 116 CTAs
   // running 4 and 16 running 3) and each round covers whole tile groups of the L2 order.
