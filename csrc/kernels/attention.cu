@@ -138,6 +138,7 @@ struct attn_prefill {
     const kv_tile* v_prev;  // that tile's V: its stage stays held until the current compute returns
     int q_phase;
     int seen_lo, seen_hi;   // serial: the task's tiles [seen_lo, seen_hi) hold keys this consumer's rows see
+    int own;                // trims: the task's tiles this consumer computes (own_iters)
     // Which of the task's tiles this warp's rows mask (compute_first), where mask_once.
     [[no_unique_address]] std::conditional_t<mask_once, tk::attn::visibility<>::span, std::monostate> mask;
   };
@@ -190,8 +191,16 @@ struct attn_prefill {
     // 0.4%). ptxas's allocation is fragile here: with the index written wave * ctas + ctas - 1 - ..., the D=64
     // consumers spilled 96 bytes.
     if constexpr (D == 64) {
-      const int ctas = gridDim.x, wave = g.ctas_div.div(id);
-      if (g.causal && (wave & 1) && (wave + 1) * ctas <= task_count(g)) id = wave * ctas + (ctas - 1) - (id - wave * ctas);
+      const int ctas = gridDim.x, wave = g.ctas_div.div(id), at = id - wave * ctas;
+      if ((wave + 1) * ctas <= task_count(g)) {
+        if (g.causal) {
+          if (wave & 1) id = wave * ctas + (ctas - 1) - at;
+        } else {
+          int r = at + g.ctas_div.mod(wave * g.heads_per_group);
+          if (r >= ctas) r -= ctas;
+          id = wave * ctas + r;
+        }
+      }
     }
     const int heads = g.batch * g.hq, per_group = g.heads_per_group * g.q_blocks;
     const int group = g.per_group_div.div(id), first = group * g.heads_per_group, in_group = id - group * per_group;
@@ -287,9 +296,9 @@ struct attn_prefill {
     scratch.q_free_phases = phases;
   }
   // After the task's last S: the queries' buffer may take the next task's.
-  __device__ static void free_queries(scratch_block& scratch, const task_t& t, int it, int wg) {
+  __device__ static void free_queries(scratch_block& scratch, const consumer_state& s, const task_t& t, int it, int wg) {
     if constexpr (q_ahead) {
-      if (it != t.iters / SLOTS - 1) return;
+      if (it != last_tile(s, t)) return;
       warpgroup::sync(1 + wg);  // every warp's part of S has read them
       if (warpgroup::thread() == 0) arrive(scratch.q_free[wg]);
     }
@@ -312,7 +321,7 @@ struct attn_prefill {
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
     softmax<true>(s, att, scratch, in, g, t, it, wg);
-    free_queries(scratch, t, it, wg);  // after the softmax, which may run S_j again
+    free_queries(scratch, s, t, it, wg);  // after the softmax, which may run S_j again
     warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: p is free
     wgmma::fence_operand(s.p);
     copy(s.p, att);
@@ -322,6 +331,7 @@ struct attn_prefill {
   // A task's first tile: the queries (loaded here unless q_ahead), then S_0 alone.
   __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                        const task_t& t, int wg) {
+    if constexpr (trims) s.own = own_iters(g, t, wg);
     if constexpr (mask_once) {
       const int row0 = rows_of(t, wg);
       s.mask = visibility(g, t).mask_span(row0, s_tile::rows, KV);
@@ -353,7 +363,7 @@ struct attn_prefill {
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
-    free_queries(scratch, t, 0, wg);
+    free_queries(scratch, s, t, 0, wg);
     softmax<false>(s, att, scratch, in, g, t, 0, wg);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
@@ -390,7 +400,31 @@ struct attn_prefill {
   // points would need a branch around the wgmma.
   __device__ static bool idle(const task_t& t, int wg) {
     const int r0 = t.row0 + wg * QROWS;
-    return serial && (r0 >= t.lq || r0 < 0);
+    return (serial || trims) && (r0 >= t.lq || r0 < 0);
+  }
+  // Trims (D=64): a consumer computes only the tiles up to the last one its rows see (lcsf's own_iters), and sits
+  // the task's later ones out: an idle consumer (a ragged first block's: at n=1024, 2 of each sequence's 18 consumer
+  // tasks) all of them, and under a causal mask a block's first consumers the last one or two (9 of the 81 consumer
+  // tiles a sequence at n=1024). The overlapped order cannot skip a tile's products inside compute: a branch around
+  // the wgmma serializes them.
+  static constexpr bool trims = D == 64;
+  __device__ static int own_iters(const globals& g, const task_t& t, int wg)
+    requires trims
+  {
+    if (t.iters == 0 || idle(t, wg)) return 0;
+    const int end = key_range(g, t, t.row0 + wg * QROWS, QROWS).end;
+    return min(t.iters, max(1, ceil_div(end, KV) - t.first));
+  }
+  __device__ static void sit_out(int wg)
+    requires trims
+  {
+    warpgroup::sync_with(TURN + wg, BOTH);
+    warpgroup::arrive_at(next_turn(wg), BOTH);
+  }
+  // The last of the task's tiles this consumer computes.
+  __device__ static int last_tile(const consumer_state& s, const task_t& t) {
+    if constexpr (trims) return s.own - 1;
+    else return t.iters / SLOTS - 1;
   }
   __device__ static void zero_tail(const kv_tile* v, const task_t& t, int wg) {
     const int tail = t.lk - (t.first + t.iters / SLOTS - 1) * KV;
@@ -447,7 +481,7 @@ struct attn_prefill {
   // so they are zeroed first. Each consumer clears them before its own P V (both write the same zeros).
   __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int wg) {
     if constexpr (serial) return;  // every tile's P V is done in its own compute
-    zero_tail(s.v_prev, t, wg);
+    if (last_tile(s, t) == t.iters / SLOTS - 1) zero_tail(s.v_prev, t, wg);
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);

@@ -273,10 +273,14 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         run_staggered(t);
         return t;
       }
+      // own: the stages this consumer computes, a prefix of the task's (K::own_iters: its rows see no key past them);
+      // it sits the rest out, keeping the consumers' turns and freeing each stage.
+      int own = t.iters;
+      if constexpr (requires { K::own_iters(g, t, role); }) own = K::own_iters(g, t, role);
       int previous = -1;
       // The first stage is peeled off so that the steady-state body has no branch around its wgmma
       // (the compiler cannot tell that `it` is uniform and would serialize the products otherwise).
-      if (t.iters > 0) {
+      if (own > 0) {
         step_stage([&] {
           if constexpr (requires { K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role); })
             K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role);
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         previous = stage;
         if (++stage == K::stages) stage = 0, phase ^= 1;
       }
-      for (int it = 1; it < t.iters; it++) {
+      for (int it = 1; it < own; it++) {
         step_stage([&] { K::compute(state, smem.ring[stage], smem.scratch, g, t, it, role); });
         if constexpr (release_lag<K>() == 0) release(stage);
         else release(previous);
@@ -295,9 +299,18 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         if (++stage == K::stages) stage = 0, phase ^= 1;
       }
       if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
-        if (t.iters > 0) K::drain(state, smem.scratch, g, t, role);
+        if (own > 0) K::drain(state, smem.scratch, g, t, role);
       warpgroup::mma_async_wait<0>();
       if (release_lag<K>() == 1 && previous >= 0) release(previous);
+      if constexpr (requires { K::own_iters(g, t, role); }) {
+#pragma unroll 1
+        for (int it = own; it < t.iters; it++) {
+          wait(full[stage], phase);
+          K::sit_out(role);
+          release(stage);
+          if (++stage == K::stages) stage = 0, phase ^= 1;
+        }
+      }
       K::finish(state, smem.scratch, g, t, role);
       return t;
     };
