@@ -497,7 +497,7 @@ struct attn_prefill {
   __device__ static void write_output(consumer_state& s, scratch_block& scratch, const globals& g, const task_t& t,
                                       int wg, int r0) {
     row_vec lse;
-    tk::attn::finalize(s.o, lse, s.m, s.l, scoring(g));
+    tk::attn::finalize<true>(s.o, lse, s.m, s.l, scoring(g));
     // lse: lanes 0, 4, ... hold rows g and g + 8 of each warp's 16
     if (laneid() % 4 == 0) {
 #pragma unroll

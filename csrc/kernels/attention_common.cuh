@@ -201,15 +201,20 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
 }
 
 // o /= l, and the natural-log LSE of each row (-inf and o = 0 for a row that saw no key).
-template <typename O, typename V>
+// Fast: the reciprocal and log2 as single approximate instructions (MUFU.RCP / MUFU.LG2, ~1 ulp), not the IEEE
+// reciprocal's and log2f's range checks and slow paths: a row that saw a key has l >= 1 (its max key's
+// probability is at least 1, the running max never passing the true one), far from their edge cases.
+template <bool Fast = false, typename O, typename V>
 __device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l_shares, const scoring& sc) {
   using namespace kittens;
   V l, inv;
   lanes_row_sum<O>(l, l_shares);  // online_softmax keeps l in per-lane shares
-  map(inv, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+  if constexpr (Fast) map(inv, l, [](float x) { return x > 0.f ? __fdividef(1.f, x) : 0.f; });
+  else map(inv, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
   mul_row(o, o, inv);
   const float es = sc.exp_scale();
-  map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + log2f(x)) * LN2 : -INFINITY; });
+  if constexpr (Fast) map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + fast_log2(x)) * LN2 : -INFINITY; });
+  else map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + log2f(x)) * LN2 : -INFINITY; });
 }
 
 // A paged K/V tile's PIECES pieces: token_of(s) is piece s's first token, copy(s, page, row_in_page) issues its
