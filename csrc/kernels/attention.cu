@@ -230,8 +230,8 @@ struct attn_prefill {
   // The keys queries row_lo .. row_lo + rows - 1 of a task's sequence see (those past its end see none).
   __device__ static keys_t key_range(const globals& g, const task_t& t, int row_lo, int rows) {
     const int offset = t.lk - t.lq;  // bottom-right alignment
+    const int row_hi = min(t.lq, row_lo + rows) - 1;  // (rows before the start see none either: a ragged block's end)
     row_lo = max(row_lo, 0);
-    const int row_hi = min(t.lq, row_lo + rows) - 1;
     int begin = 0, end = t.lk;
     if (g.window_left >= 0) begin = max(0, row_lo + offset - g.window_left);
     if (g.causal) end = min(end, row_hi + offset + 1);
