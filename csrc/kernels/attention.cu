@@ -73,8 +73,9 @@ struct attn_prefill {
     int batch, hq, group, q_blocks, block_size, paged, causal, window_left, window_right;
     int heads_per_group;  // (sequence, head) pairs whose K/V fit in L2 together (see task)
     // task's and load's divisors: the grid, a group's tasks, its heads (the last group's may be fewer), the query
-    // heads, and the query heads a kv head serves. (The compiler's divisions took ~5% of the D=64 consumers' stall
-    // samples at n=1024: ~20 dependent instructions each, four in a row at every task's start.)
+    // heads, and the query heads a kv head serves. The compiler's divisions took ~5% of the D=64 consumers' stall
+    // samples at n=1024 (~20 dependent instructions each, four in a row at every task's start); same-call A/B
+    // (session 30): 0.965-0.991 of their time on 20 of the 22 bench cases.
     divisor ctas_div, per_group_div, group_heads_div, last_group_heads_div, hq_div, group_div;
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
     int* task_counter;          // lcsf's dynamic tasks
@@ -184,6 +185,10 @@ struct attn_prefill {
   // L2. ncu at D=64 causal b16 h32 n=4096 (session 29), plain stride: SMs active 84% of the kernel's time, L2 hit
   // rate 40% (FA3 99% / 79%); claimed tasks brought it to 98% / 77% and 0.915 of the time, and zigzag to 0.933 of
   // the claimed tasks' time (same-call A/Bs, two rounds; D=64 causal n=1024 / 16384 1.001 / 0.994), 97% / 75%.
+  // Without a mask, D=64 turns each full wave by heads_per_group places a wave (rotation): a group of one wave puts
+  // the same query block on the same CTAs every wave, and the ragged first blocks, cheap since their idle consumers
+  // sit out (trims), would all go to the same CTAs while the others ran full blocks only. (Measured with trims only,
+  // see there.)
   __device__ static task_t task(const globals& g, int id, int) {
     task_t t;
     // D=64 only: the serial kernel spilled 132 bytes with it (its dense causal tasks claim), and the two-consumer
@@ -230,7 +235,9 @@ struct attn_prefill {
   // The keys queries row_lo .. row_lo + rows - 1 of a task's sequence see (those past its end see none).
   __device__ static keys_t key_range(const globals& g, const task_t& t, int row_lo, int rows) {
     const int offset = t.lk - t.lq;  // bottom-right alignment
-    const int row_hi = min(t.lq, row_lo + rows) - 1;  // (rows before the start see none either: a ragged block's end)
+    // The block's last row, before row_lo is clamped: a ragged first block's rows before the start see nothing
+    // (clamped first, its causal key range ran 128 rows too far; same-call A/B, session 31: 0.984-1.008).
+    const int row_hi = min(t.lq, row_lo + rows) - 1;
     row_lo = max(row_lo, 0);
     int begin = 0, end = t.lk;
     if (g.window_left >= 0) begin = max(0, row_lo + offset - g.window_left);
@@ -239,9 +246,9 @@ struct attn_prefill {
     return {begin, end};
   }
 
-  // The page size paged_pieces divides by: a divisor at D=128 (paged16 / paged64 0.947 / 0.946 of an integer
-  // division's time in a same-call A/B, session 30), the plain int elsewhere (there the divisor moved D=64 full
-  // n=1024 / 4096 1.024 / 1.015: what it changed in their schedules, not in their paged loads).
+  // The page size paged_pieces divides by: a divisor at D=128 (paged16 / paged64 0.954 / 0.963 of an integer
+  // division's time, same-call A/B in session 30), the plain int elsewhere (with the divisor in every kernel, D=64
+  // full n=1024 / 4096 measured 1.024 / 1.015: what it changed in their schedules, not in their paged loads).
   __device__ static auto paged_block(const globals& g) {
     if constexpr (D == 128) return g.block_size_div;
     else return g.block_size;
@@ -396,17 +403,22 @@ struct attn_prefill {
   // sequence that is not a multiple of 192 long, see task) or past its end loads and computes nothing, and one
   // skips the tiles none of its rows sees (seen_lo / seen_hi): a task's tiles cover all 192 rows' keys, and under
   // a causal mask the first consumer's rows end 128 keys before the last's, so its last tile is often all masked
-  // (a window's first tiles likewise). The overlapped order computes both: its products and the pipeline's release
-  // points would need a branch around the wgmma.
+  // (a window's first tiles likewise). The overlapped D=64 order does the same at the task's end through lcsf
+  // (trims); a window's leading tiles it computes.
   __device__ static bool idle(const task_t& t, int wg) {
     const int r0 = t.row0 + wg * QROWS;
     return (serial || trims) && (r0 >= t.lq || r0 < 0);
   }
   // Trims (D=64): a consumer computes only the tiles up to the last one its rows see (lcsf's own_iters), and sits
-  // the task's later ones out: an idle consumer (a ragged first block's: at n=1024, 2 of each sequence's 18 consumer
-  // tasks) all of them, and under a causal mask a block's first consumers the last one or two (9 of the 81 consumer
-  // tiles a sequence at n=1024). The overlapped order cannot skip a tile's products inside compute: a branch around
-  // the wgmma serializes them.
+  // the task's later ones out, keeping its turns: an idle consumer (a ragged first block's: at n=1024, 2 of each
+  // sequence's 18 consumer tasks) all of them, and under a causal mask a block's first consumers the last one or two
+  // (9 of the 81 consumer tiles a sequence at n=1024). The overlapped order cannot skip a tile's products inside
+  // compute: a branch around the wgmma serializes them (ptxas C7515). Same-call A/B on the H200 (session 31, two
+  // rounds, with the full-mask rotation in task): n=1024 full / causal 0.957 / 0.976, n=4096 / 16384 0.995-1.008.
+  // ptxas is fragile here: without the rotation the consumers spilled 84 bytes. Tried: a consumer that sits tiles
+  // out leaving the turns and finishing first (1.005-1.014, lost); no turns at all for D=64 (0.990-1.002: the
+  // turns cost nothing here); the task's output written after the next task's S_0 is issued (consumers spilled
+  // 372 bytes).
   static constexpr bool trims = D == 64;
   __device__ static int own_iters(const globals& g, const task_t& t, int wg)
     requires trims

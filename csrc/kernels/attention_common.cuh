@@ -203,7 +203,9 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
 // o /= l, and the natural-log LSE of each row (-inf and o = 0 for a row that saw no key).
 // Fast: the reciprocal and log2 as single approximate instructions (MUFU.RCP / MUFU.LG2, ~1 ulp), not the IEEE
 // reciprocal's and log2f's range checks and slow paths: a row that saw a key has l >= 1 (its max key's
-// probability is at least 1, the running max never passing the true one), far from their edge cases.
+// probability is at least 1, the running max never passing the true one), far from their edge cases. Prefill takes
+// it: same-call A/B on the H200 (session 31, two rounds), 0.977-1.005 of the exact step's time on the 22 bench cases
+// (D=64 n=1024 causal 0.977, D=128 causal n=4096 / 16384 0.981 / 0.978).
 template <bool Fast = false, typename O, typename V>
 __device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l_shares, const scoring& sc) {
   using namespace kittens;

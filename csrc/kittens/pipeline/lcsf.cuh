@@ -30,6 +30,9 @@
 //   static void load_task_inputs(scratch_block&, const globals&, const task_t&) (the producer's thread, once a task
 //   with stages has sent for its first: inputs a task reads throughout, kept in scratch rather than the ring,
 //   e.g. the attention kernel's queries; the policy hands the buffers back and forth with its own semaphores).
+//   static int own_iters(const globals&, const task_t&, int consumer) and static void sit_out(int consumer): the
+//   consumer computes only the task's first own_iters stages (drain after the last of them) and, for each of the
+//   rest, waits for it, calls sit_out (e.g. to pass a turn barrier on) and frees it; own_iters 0: no compute at all.
 //   static constexpr bool prefetch_task (strided or task_range walks): each consumer reads task(next id) before it
 //   runs the current one, so that the next task's metadata loads are in flight during this task's work.
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
@@ -273,8 +276,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         run_staggered(t);
         return t;
       }
-      // own: the stages this consumer computes, a prefix of the task's (K::own_iters: its rows see no key past them);
-      // it sits the rest out, keeping the consumers' turns and freeing each stage.
+      // own: the stages this consumer computes, a prefix of the task's (K::own_iters: e.g. its rows see no key past
+      // them); it sits the rest out (K::sit_out) and frees each stage.
       int own = t.iters;
       if constexpr (requires { K::own_iters(g, t, role); }) own = K::own_iters(g, t, role);
       int previous = -1;
