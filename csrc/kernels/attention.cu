@@ -41,6 +41,10 @@ struct attn_prefill {
   // Consumers read the next task (cu_seqlens and the like) one task ahead (lcsf). Same-call A/B (session 21), the
   // time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; D=256 full 0.979-0.992 (noise?).
   static constexpr bool prefetch_task = !Claims && D != 256;
+  // D=64: the producer hands each task to the consumers (lcsf's fed tasks) instead: ~170 instructions less a task in
+  // every consumer warp, and no wait for the task's loads (the prefetched task's were waited for right away: ptxas
+  // moves them to uniform registers as they arrive).
+  static constexpr bool fed_tasks = D == 64;
   static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and

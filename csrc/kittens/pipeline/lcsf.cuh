@@ -33,6 +33,8 @@
 //   static int own_iters(const globals&, const task_t&, int consumer) and static void sit_out(int consumer): the
 //   consumer computes only the task's first own_iters stages (drain after the last of them) and, for each of the
 //   rest, waits for it, calls sit_out (e.g. to pass a turn barrier on) and frees it; own_iters 0: no compute at all.
+//   static constexpr bool fed_tasks: the producer works each task out and hands it to the consumers through shared
+//   memory (strided or task_range walks; it takes precedence over prefetch_task).
 //   static constexpr bool prefetch_task (strided or task_range walks): each consumer reads task(next id) before it
 //   runs the current one, so that the next task's metadata loads are in flight during this task's work.
 //   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
@@ -119,6 +121,24 @@ template <typename K> consteval bool dynamic_tasks() {
   if constexpr (requires { K::dynamic; }) return K::dynamic;
   else return false;
 }
+// Fed tasks: the producer works each task out once and hands it to the consumers through shared memory (a ring of
+// FEED), instead of every consumer warp decoding it (and waiting for its loads of the task's metadata) itself.
+template <typename K> consteval bool fed_tasks() {
+  if constexpr (requires { K::fed_tasks; }) return K::fed_tasks;
+  else return false;
+}
+inline constexpr int FEED = 8;
+// A warp's copy of a shared-memory object as lane 0 reads it, in registers the compiler knows are warp-uniform.
+template <typename T> __device__ __forceinline__ T warp_uniform_copy(const T& src) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) % 4 == 0);
+  int w[sizeof(T) / 4];
+  memcpy(w, &src, sizeof(T));
+#pragma unroll
+  for (int i = 0; i < int(sizeof(T) / 4); i++) w[i] = __shfl_sync(0xffffffffu, w[i], 0);
+  T out;
+  memcpy(&out, w, sizeof(T));
+  return out;
+}
 template <typename K> consteval bool prefetch_tasks() {
   if constexpr (requires { K::prefetch_task; }) return K::prefetch_task;
   else return false;
@@ -153,6 +173,10 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   // Dynamic tasks: the producer's claimed ids on their way to the consumers (a ring of 2).
   __shared__ int feed_id[2];
   __shared__ semaphore feed_full[2], feed_empty[2];
+  // Fed tasks: the tasks on their way to the consumers.
+  constexpr int fed = fed_tasks<K>() ? FEED : 1;
+  __shared__ typename K::task_t feed_task[fed];
+  __shared__ semaphore task_full[fed], task_empty[fed];
 
   constexpr int cluster = cluster_size<K>();
   static_assert(!dynamic_tasks<K>() || cluster == 1, "dynamic tasks are claimed per CTA: no clusters");
@@ -165,6 +189,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     }
     if constexpr (dynamic_tasks<K>())
       for (int s = 0; s < 2; s++) init_semaphore(feed_full[s], 1), init_semaphore(feed_empty[s], K::consumers * WARPGROUP_WARPS);
+    if constexpr (fed_tasks<K>())
+      for (int s = 0; s < FEED; s++) init_semaphore(task_full[s], 1), init_semaphore(task_empty[s], K::consumers * WARPGROUP_WARPS);
     if constexpr (requires { K::init_scratch(smem.scratch); }) K::init_scratch(smem.scratch);
     fence_semaphore_init();
   }
@@ -188,9 +214,15 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   if (role == K::consumers) {  // producer
     warpgroup::decrease_registers<producer_registers<K>>();
     if (warpgroup::thread() == 0) {
-      int stage = 0, phase = 0;
+      int stage = 0, phase = 0, fslot = 0, fphase = 0;
       auto load_task = [&](int id) {
         const typename K::task_t t = K::task(g, id, rank);
+        if constexpr (fed_tasks<K>()) {
+          wait(task_empty[fslot], fphase ^ 1);  // a fresh ring passes at once
+          feed_task[fslot] = t;
+          arrive(task_full[fslot]);
+          if (++fslot == FEED) fslot = 0, fphase ^= 1;
+        }
         for (int it = 0; it < t.iters; it++) {
           wait(empty[stage], phase ^ 1);  // a fresh ring passes at once
           K::load(smem.ring[stage], g, t, it, full[stage]);
@@ -327,6 +359,14 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         if (++slot == 2) slot = 0, feed_phase ^= 1;
         if (id >= num_tasks) break;
         run_task(K::task(g, id, rank));
+      }
+    } else if constexpr (fed_tasks<K>()) {
+      for (int id = first, fslot = 0, fphase = 0; id < num_tasks;) {
+        wait(task_full[fslot], fphase);
+        const typename K::task_t t = warp_uniform_copy(feed_task[fslot]);  // (the shuffle: every lane has read it)
+        if (laneid() == 0) arrive(task_empty[fslot]);
+        if (++fslot == FEED) fslot = 0, fphase ^= 1;
+        id = next_id<K>(g, run_task(t), id, step);
       }
     } else if constexpr (prefetch_tasks<K>()) {
       // The next task is read (its loads of sequence lengths and the like issued) before this one runs, so
