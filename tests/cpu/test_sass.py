@@ -43,3 +43,25 @@ def test_pipeline_kernels_reach_shared_memory_without_generic_loads_and_stores(k
     assert len(pipeline) >= 10, sorted(kernels)[:20]  # gemm, prefill, decode, Based, SSD instantiations
     generic = {name[:120]: sum(bool(GENERIC_ACCESS.match(x)) for x in lines) for name, lines in pipeline.items()}
     assert not any(generic.values()), {k: v for k, v in generic.items() if v}
+
+
+LOCAL_MEMORY = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?(STL|LDL)")
+
+
+def test_tensor_core_kernels_neither_spill_nor_serialize_their_products(kernels):
+    """ptxas's allocation is fragile in the wgmma kernels (ab/README: two more live registers, or a branch around a
+    product, and the D=64 prefill consumers spill or serialize). Every kernel that issues wgmma keeps its values in
+    registers (no local-memory STL / LDL) and chains a product's k-steps under one WARPGROUP.ARRIVE: a serialized
+    pipeline (ptxas C7515) fences every HGMMA with its own."""
+    tensor = {name: lines for name, lines in kernels.items() if any("HGMMA" in x for x in lines)}
+    assert len(tensor) >= 10, sorted(kernels)[:20]  # gemm, prefill, decode, Based, SSD instantiations
+    spills = {name[:120]: sum(bool(LOCAL_MEMORY.match(x)) for x in lines) for name, lines in tensor.items()}
+    assert not any(spills.values()), {k: v for k, v in spills.items() if v}
+    serialized = {}
+    for name, lines in tensor.items():
+        products = sum("HGMMA" in x for x in lines)
+        fences = sum("WARPGROUP.ARRIVE" in x for x in lines)
+        if 2 * fences > products:
+            serialized[name[:120]] = (fences, products)
+    assert not serialized, serialized
+
