@@ -10,7 +10,8 @@ import pytest
 
 import tk_backend
 
-GENERIC_ACCESS = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?(LD|ST)\.E")
+OP = r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?"  # an instruction line's address and optional predicate
+GENERIC_ACCESS = re.compile(OP + r"(LD|ST)\.E")
 
 
 def _cuobjdump() -> str | None:
@@ -45,7 +46,7 @@ def test_pipeline_kernels_reach_shared_memory_without_generic_loads_and_stores(k
     assert not any(generic.values()), {k: v for k, v in generic.items() if v}
 
 
-LOCAL_MEMORY = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(@!?U?P[0-9T] )?(STL|LDL)")
+LOCAL_MEMORY = re.compile(OP + r"(STL|LDL)")
 
 
 def test_tensor_core_kernels_neither_spill_nor_serialize_their_products(kernels):
