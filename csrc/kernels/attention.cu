@@ -460,6 +460,8 @@ struct attn_prefill {
   // whose first tile is not the task's (a window's) runs that tile's S twice.
   // FastSerial: the serial kernel's later tiles take it too (launched under causal masks: see run_serial).
   static constexpr bool fast_softmax = D <= 128 && (!serial || FastSerial);
+  // A task's first tile (compute_first) starts from empty rows (online_softmax's Fresh): D=64.
+  static constexpr bool fresh_first = D == 64;
   template <bool Fast>
   __device__ static void softmax(consumer_state& s, s_tile& att, scratch_block& scratch, const input_block& in,
                                  const globals& g, const task_t& t, int it, int wg) {
@@ -488,7 +490,7 @@ struct attn_prefill {
         return;
       }
     }
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial>(
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, !Fast && fresh_first>(
         att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 

@@ -98,8 +98,10 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // less a tile, and ~140 bytes of spill less in the 160-register serial prefill kernel.
 // `group_all(pred)`: whether pred holds in every warp of the group that runs the recompute's product (a
 // warpgroup: all of its warps must issue it, or none).
+// Fresh (not Fast; a task's first tile): no row has seen a key yet (m = -inf, l = 0, the output 0), so the step
+// skips the old max's rescale (two ex2 and the lazy test a row) and the output's (the result is false: 0 needs none).
 inline constexpr float FAST_SHARE_LIMIT = 32768.f;
-template <bool Lazy, unsigned RowSlots, bool Fast, bool FastIfSeen, typename S, typename V, typename Visibility,
+template <bool Lazy, unsigned RowSlots, bool Fast, bool FastIfSeen, bool Fresh = false, typename S, typename V, typename Visibility,
           typename Masked, typename Recompute, typename GroupAll>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0, Masked masked,
@@ -159,7 +161,14 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   V m_new, base;
   row_max<RowSlots>(m_new, att, m);
   bool moved = false;  // Lazy: whether any of this lane's rows moved its max
-  if constexpr (Lazy) {
+  if constexpr (Fresh) {
+    static_assert(!Fast, "fresh: the exact step");
+    map(base, m_new, [es](float x) { return x == -INFINITY ? 0.f : x * es; });  // a row still masked: 0
+    copy(m, m_new);
+    map_row<RowSlots>(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
+    row_sum_share<RowSlots>(l, att, l);
+    return false;
+  } else if constexpr (Lazy) {
     // The old max stays unless the new one passes it by the threshold (-inf - -inf is NaN: a row still masked
     // keeps -inf; a first visible key always moves it). A row that keeps it takes rescale 1 exactly.
 #pragma unroll
