@@ -63,11 +63,16 @@ struct attn_prefill {
   using kv_tile = st<T, KV, D>;
   using page_piece = st<T, PAGE_PIECE, D>;
   using tokens_gl = gl<T, 1, RUNTIME, RUNTIME, D, q_tile>;   // (1, heads, tokens, D)
+  // D=64: each warp stores its own 16 rows of the output and frees its part of the queries (warp_epilogue).
+  static constexpr bool warp_epilogue = D == 64;
+  using out_rows = st<T, 16, D>;
+  using out_gl = std::conditional_t<warp_epilogue, gl<T, 1, RUNTIME, RUNTIME, D, q_tile, out_rows>, tokens_gl>;
   using kv_gl = gl<T, 1, RUNTIME, RUNTIME, D, kv_tile>;      // (1, heads, tokens, D)
   using pages_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, D, page_piece>;  // (blocks, heads, block_size, D)
 
   struct globals {
-    tokens_gl q, o;
+    tokens_gl q;
+    out_gl o;
     kv_gl k, v;
     pages_gl k_pages, v_pages;
     float* lse;
@@ -161,7 +166,7 @@ struct attn_prefill {
   __device__ static void init_scratch(scratch_block& s) {
     for (int c = 0; c < consumers; c++) init_semaphore(s.q_ready[c], 1);
     if constexpr (q_ahead) {
-      for (int c = 0; c < consumers; c++) init_semaphore(s.q_free[c], 1);
+      for (int c = 0; c < consumers; c++) init_semaphore(s.q_free[c], warp_epilogue ? WARPGROUP_WARPS : 1);
       s.q_free_phases = 0;
     }
   }
@@ -310,6 +315,11 @@ struct attn_prefill {
   __device__ static void free_queries(scratch_block& scratch, const consumer_state& s, const task_t& t, int it, int wg) {
     if constexpr (q_ahead) {
       if (it != last_tile(s, t)) return;
+      if constexpr (warp_epilogue) {  // each warp, once its part of S has read them
+        __syncwarp();
+        if (laneid() == 0) arrive(scratch.q_free[wg]);
+        return;
+      }
       warpgroup::sync(1 + wg);  // every warp's part of S has read them
       if (warpgroup::thread() == 0) arrive(scratch.q_free[wg]);
     }
@@ -530,6 +540,20 @@ struct attn_prefill {
       q_tile* staging;
       if constexpr (q_ahead) staging = &scratch.o[wg];
       else staging = &scratch.q[wg];
+      if constexpr (warp_epilogue) {  // warp syncs only: the warp's rows, its own bulk-store group
+        static_assert(q_ahead);
+        const auto rows = staging->template row_block<16>(warpgroup::warp());
+        if (laneid() == 0) tma::store_wait_read<0>();
+        __syncwarp();
+        warp::store(rows, s.o);
+        fence_async_shared();
+        __syncwarp();
+        if (laneid() == 0) {
+          tma::store_async(g.o, rows, {.d = t.h, .row = t.q0 + r0 + 16 * warpgroup::warp()});
+          tma::store_commit_group();
+        }
+        return;
+      }
       if (q_ahead || t.iters == 0) {
         if (warpgroup::thread() == 0) tma::store_wait_read<0>();
         warpgroup::sync(1 + wg);
