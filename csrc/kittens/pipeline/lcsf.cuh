@@ -363,7 +363,10 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     } else if constexpr (fed_tasks<K>()) {
       for (int id = first, fslot = 0, fphase = 0; id < num_tasks;) {
         wait(task_full[fslot], fphase);
-        const typename K::task_t t = warp_uniform_copy(feed_task[fslot]);  // (the shuffle: every lane has read it)
+        const typename K::task_t t = warp_uniform_copy(feed_task[fslot]);
+        // Every lane read the slot: __syncwarp orders those reads before lane 0's arrive hands it back (the shuffle
+        // orders no memory; without it racecheck reported the producer's next write racing them, session 32).
+        __syncwarp();
         if (laneid() == 0) arrive(task_empty[fslot]);
         if (++fslot == FEED) fslot = 0, fphase ^= 1;
         id = next_id<K>(g, run_task(t), id, step);
