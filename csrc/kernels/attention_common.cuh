@@ -220,12 +220,12 @@ __device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l_sh
   using namespace kittens;
   V l, inv;
   lanes_row_sum<O>(l, l_shares);  // online_softmax keeps l in per-lane shares
-  if constexpr (Fast) map(inv, l, [](float x) { return x > 0.f ? __fdividef(1.f, x) : 0.f; });
-  else map(inv, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+  const auto rcp = [](float x) { return Fast ? __fdividef(1.f, x) : 1.f / x; };
+  const auto lg2 = [](float x) { return Fast ? fast_log2(x) : log2f(x); };
+  map(inv, l, [rcp](float x) { return x > 0.f ? rcp(x) : 0.f; });
   mul_row(o, o, inv);
   const float es = sc.exp_scale();
-  if constexpr (Fast) map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + fast_log2(x)) * LN2 : -INFINITY; });
-  else map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + log2f(x)) * LN2 : -INFINITY; });
+  map(lse, m, l, [es, lg2](float mx, float x) { return x > 0.f ? (mx * es + lg2(x)) * LN2 : -INFINITY; });
 }
 
 // A paged K/V tile's PIECES pieces: token_of(s) is piece s's first token, copy(s, page, row_in_page) issues its
