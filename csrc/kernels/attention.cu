@@ -504,7 +504,8 @@ struct attn_prefill {
         return;
       }
     }
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, !Fast && fresh_first>(
+    constexpr bool fresh = !Fast && fresh_first;
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, fresh>(
         att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 

@@ -101,8 +101,8 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // Fresh (not Fast; a task's first tile): no row has seen a key yet (m = -inf, l = 0, the output 0), so the step
 // skips the old max's rescale (two ex2 and the lazy test a row) and the output's (the result is false: 0 needs none).
 inline constexpr float FAST_SHARE_LIMIT = 32768.f;
-template <bool Lazy, unsigned RowSlots, bool Fast, bool FastIfSeen, bool Fresh = false, typename S, typename V, typename Visibility,
-          typename Masked, typename Recompute, typename GroupAll>
+template <bool Lazy, unsigned RowSlots, bool Fast, bool FastIfSeen, bool Fresh = false, typename S, typename V,
+          typename Visibility, typename Masked, typename Recompute, typename GroupAll>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0, Masked masked,
                                                Recompute recompute, GroupAll group_all) {
