@@ -38,14 +38,13 @@ struct attn_prefill {
   // at n <= 4096 with two consumers 1.01-1.05, D=64 with three 1.02-1.06, and paged K/V with three 1.065:
   // those keep the stride order. (Beside three consumers the claim loop makes the producer spill 24 bytes.)
   static constexpr bool dynamic = Claims;
-  // D=64: the producer hands each task to the consumers (lcsf's fed tasks): ~150 instructions less a task in every
-  // consumer warp, and no wait for the task's loads (the prefetched task's were waited for right away: ptxas moves
-  // them to uniform registers as they arrive).
+  // Consumers read the next task (cu_seqlens and the like) one task ahead (lcsf). Same-call A/B (session 21), the
+  // time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; D=256 full 0.979-0.992 (noise?).
+  static constexpr bool prefetch_task = !Claims && D != 256;
+  // D=64: the producer hands each task to the consumers (lcsf's fed tasks) instead: ~170 instructions less a task in
+  // every consumer warp, and no wait for the task's loads (the prefetched task's were waited for right away: ptxas
+  // moves them to uniform registers as they arrive).
   static constexpr bool fed_tasks = D == 64;
-  // Otherwise consumers read the next task (cu_seqlens and the like) one task ahead (lcsf). Same-call A/B (session
-  // 21), the time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; D=256 full 0.979-0.992
-  // (noise?).
-  static constexpr bool prefetch_task = !Claims && D != 256 && !fed_tasks;
   static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
@@ -504,8 +503,7 @@ struct attn_prefill {
         return;
       }
     }
-    constexpr bool fresh = !Fast && fresh_first;
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, fresh>(
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, !Fast && fresh_first>(
         att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 
