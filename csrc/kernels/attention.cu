@@ -38,13 +38,14 @@ struct attn_prefill {
   // at n <= 4096 with two consumers 1.01-1.05, D=64 with three 1.02-1.06, and paged K/V with three 1.065:
   // those keep the stride order. (Beside three consumers the claim loop makes the producer spill 24 bytes.)
   static constexpr bool dynamic = Claims;
-  // Consumers read the next task (cu_seqlens and the like) one task ahead (lcsf). Same-call A/B (session 21), the
-  // time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; D=256 full 0.979-0.992 (noise?).
-  static constexpr bool prefetch_task = !Claims && D != 256;
-  // D=64: the producer hands each task to the consumers (lcsf's fed tasks) instead: ~170 instructions less a task in
-  // every consumer warp, and no wait for the task's loads (the prefetched task's were waited for right away: ptxas
-  // moves them to uniform registers as they arrive).
+  // D=64: the producer hands each task to the consumers (lcsf's fed tasks): ~150 instructions less a task in every
+  // consumer warp, and no wait for the task's loads (the prefetched task's were waited for right away: ptxas moves
+  // them to uniform registers as they arrive).
   static constexpr bool fed_tasks = D == 64;
+  // Otherwise consumers read the next task (cu_seqlens and the like) one task ahead (lcsf). Same-call A/B (session
+  // 21), the time without it over with: full masks 1.007-1.025, D=64 causal n=16384 1.018; D=256 full 0.979-0.992
+  // (noise?).
+  static constexpr bool prefetch_task = !Claims && D != 256 && !fed_tasks;
   static constexpr int release_lag = serial ? 0 : 1;
   // K/V tile rows and ring depth: what shared memory holds next to Q. At D=64 and D=128 a ring slot holds a
   // K/V pair, freed as one. At D=256 K and V take separate slots (lcsf's staggered pairs, FA3's tile and
@@ -113,6 +114,7 @@ struct attn_prefill {
   // 1.016-1.048; so of D=128 only the two-consumer kernel (staggered, see above) has them. D=256 has no room for the
   // buffers.
   static constexpr bool q_ahead = D == 64 || (D == 128 && C == 2);
+  static_assert(!warp_epilogue || q_ahead, "warp_epilogue: the output's own staging buffer (q_ahead)");
   static_assert(!q_ahead || stages * sizeof(input_block) + 2 * consumers * sizeof(q_tile) <= 224 * 1024);
   struct scratch_ahead {
     q_tile q[consumers], o[consumers];
@@ -503,7 +505,8 @@ struct attn_prefill {
         return;
       }
     }
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, !Fast && fresh_first>(
+    constexpr bool fresh = !Fast && fresh_first;
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, fresh>(
         att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 
@@ -544,7 +547,6 @@ struct attn_prefill {
       if constexpr (q_ahead) staging = &scratch.o[wg];
       else staging = &scratch.q[wg];
       if constexpr (warp_epilogue) {  // warp syncs only: the warp's rows, its own bulk-store group
-        static_assert(q_ahead);
         const auto rows = staging->template row_block<16>(warpgroup::warp());
         if (laneid() == 0) tma::store_wait_read<0>();
         __syncwarp();

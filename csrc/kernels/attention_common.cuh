@@ -101,8 +101,8 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // Fresh (not Fast; a task's first tile): no row has seen a key yet (m = -inf, l = 0, the output 0), so the step
 // skips the old max's rescale (two ex2 and the lazy test a row) and the output's (the result is false: 0 needs none).
 inline constexpr float FAST_SHARE_LIMIT = 32768.f;
-template <bool Lazy, unsigned RowSlots, bool Fast, bool FastIfSeen, bool Fresh = false, typename S, typename V, typename Visibility,
-          typename Masked, typename Recompute, typename GroupAll>
+template <bool Lazy, unsigned RowSlots, bool Fast, bool FastIfSeen, bool Fresh = false, typename S, typename V,
+          typename Visibility, typename Masked, typename Recompute, typename GroupAll>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
                                                const Visibility& vis, int row0, int col0, Masked masked,
                                                Recompute recompute, GroupAll group_all) {
@@ -161,13 +161,10 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   V m_new, base;
   row_max<RowSlots>(m_new, att, m);
   bool moved = false;  // Lazy: whether any of this lane's rows moved its max
-  if constexpr (Fresh) {
-    static_assert(!Fast, "fresh: the exact step");
+  static_assert(!(Fresh && Fast), "fresh: the exact step");
+  if constexpr (Fresh) {  // no old max to rescale from: l and the output stay as they are (0)
     map(base, m_new, [es](float x) { return x == -INFINITY ? 0.f : x * es; });  // a row still masked: 0
     copy(m, m_new);
-    map_row<RowSlots>(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
-    row_sum_share<RowSlots>(l, att, l);
-    return false;
   } else if constexpr (Lazy) {
     // The old max stays unless the new one passes it by the threshold (-inf - -inf is NaN: a row still masked
     // keeps -inf; a first visible key always moves it). A row that keeps it takes rescale 1 exactly.
@@ -189,9 +186,10 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
     copy(m, m_new);
   }
   map_row<RowSlots>(att, att, base, [es](float x, float b) { return fast_exp2(x * es - b); });
-  map(l, l, rescale, [](float x, float r) { return x * r; });
+  if constexpr (!Fresh) map(l, l, rescale, [](float x, float r) { return x * r; });
   row_sum_share<RowSlots>(l, att, l);  // l in shares: the lanes of a row are combined once, in finalize
-  if constexpr (Lazy) return __any_sync(0xffffffffu, moved);
+  if constexpr (Fresh) return false;  // the output is 0: it needs no rescale
+  else if constexpr (Lazy) return __any_sync(0xffffffffu, moved);
   else return true;
 }
 // Without Fast (no recompute).
@@ -220,12 +218,12 @@ __device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l_sh
   using namespace kittens;
   V l, inv;
   lanes_row_sum<O>(l, l_shares);  // online_softmax keeps l in per-lane shares
-  if constexpr (Fast) map(inv, l, [](float x) { return x > 0.f ? __fdividef(1.f, x) : 0.f; });
-  else map(inv, l, [](float x) { return x > 0.f ? 1.f / x : 0.f; });
+  const auto rcp = [](float x) { return Fast ? __fdividef(1.f, x) : 1.f / x; };
+  const auto lg2 = [](float x) { return Fast ? fast_log2(x) : log2f(x); };
+  map(inv, l, [rcp](float x) { return x > 0.f ? rcp(x) : 0.f; });
   mul_row(o, o, inv);
   const float es = sc.exp_scale();
-  if constexpr (Fast) map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + fast_log2(x)) * LN2 : -INFINITY; });
-  else map(lse, m, l, [es](float mx, float x) { return x > 0.f ? (mx * es + log2f(x)) * LN2 : -INFINITY; });
+  map(lse, m, l, [es, lg2](float mx, float x) { return x > 0.f ? (mx * es + lg2(x)) * LN2 : -INFINITY; });
 }
 
 // A paged K/V tile's PIECES pieces: token_of(s) is piece s's first token, copy(s, page, row_in_page) issues its

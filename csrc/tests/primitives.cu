@@ -144,7 +144,51 @@ __global__ void maps_kernel(const __grid_constant__ fp32_view in, const __grid_c
 
 }  // namespace
 
+// ---- shared-memory hand-off through mbarriers, as lcsf's fed tasks do it ------------------------------
+// One producer thread writes a 12-word record into a ring of two slots and arrives on its `full` semaphore; each of
+// four consumer warps waits, copies the record (every lane reads it: lcsf::warp_uniform_copy), __syncwarp, and its
+// lane 0 arrives on the slot's `empty`, which the producer waits on before it rewrites the slot. The sums show
+// every record arrived whole; under compute-sanitizer --tool racecheck it tells whether the tool follows this
+// ordering (racecheck reported the fed-task ring of the D=64 prefill kernel, session 32).
+struct handoff_record { int w[12]; };
+__global__ void __launch_bounds__(160) handoff_kernel(int rounds, int* out) {
+  __shared__ handoff_record slot[2];
+  __shared__ semaphore full[2], empty[2];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; s++) init_semaphore(full[s], 1), init_semaphore(empty[s], 4);
+    fence_semaphore_init();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if (warp == 4) {  // producer
+    if (laneid() == 0)
+      for (int r = 0; r < rounds; r++) {
+        const int s = r & 1, phase = (r >> 1) & 1;
+        wait(empty[s], phase ^ 1);  // a fresh semaphore passes at once
+        for (int i = 0; i < 12; i++) slot[s].w[i] = r * 12 + i;
+        arrive(full[s]);
+      }
+    return;
+  }
+  long sum = 0;
+  for (int r = 0; r < rounds; r++) {
+    const int s = r & 1, phase = (r >> 1) & 1;
+    wait(full[s], phase);
+    const handoff_record rec = lcsf::warp_uniform_copy(slot[s]);
+    __syncwarp();
+    if (laneid() == 0) arrive(empty[s]);
+    for (int i = 0; i < 12; i++) sum += rec.w[i];
+  }
+  if (laneid() == 0) out[warp] = int(sum % 1000000007);
+}
+
 extern "C" {
+
+int tk_prim_handoff(int rounds, int* out) {
+  handoff_kernel<<<1, 160>>>(rounds, out);
+  cudaError_t e = cudaGetLastError();
+  return int(e != cudaSuccess ? e : cudaDeviceSynchronize());
+}
 
 int tk_prim_roundtrip(int variant, const void* in, void* out, int rows, int cols) {
   switch (variant) {

@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         wait(task_full[fslot], fphase);
         const typename K::task_t t = warp_uniform_copy(feed_task[fslot]);
         // Every lane read the slot: __syncwarp orders those reads before lane 0's arrive hands it back (the shuffle
-        // orders no memory; without it racecheck reported the producer's next write racing them, session 32).
+        // orders no memory). racecheck reports a hazard here with it or without (ab/README, session 32).
         __syncwarp();
         if (laneid() == 0) arrive(task_empty[fslot]);
         if (++fslot == FEED) fslot = 0, fphase ^= 1;
