@@ -56,6 +56,7 @@ struct attn_prefill {
   // queries ahead (session 21; 6 slots with the queries' own buffer 0.992). (Staggered slots with main's tiles
   // measured 1-4% slower at D=64 and 44% slower paged at D=128 with three consumers, which keep their pairs.)
   static constexpr bool staggered = D == 256 || (D == 128 && C == 2);
+  // (D=64 on 64-key tiles and 8 stages, which waste no half tile on the diagonal: 1.06-1.16x the time, session 33.)
   static constexpr int KV = D == 256 ? 80 : 128;
   static constexpr int stages = D == 128 ? (serial ? 2 : staggered ? 4 : 3) : 4;
   static constexpr int SLOTS = staggered ? 2 : 1;  // ring slots a K/V tile takes
@@ -684,7 +685,8 @@ namespace tk {
 // Claimed tasks (attn_prefill::Claims): causal masks at D=256, and over dense K/V at D=128 with three consumers.
 // (D=64 causal with claimed tasks, session 29: n=4096 0.915 of the plain stride's time, but 1.07 of the zigzag
 // stride's (attn_prefill::task), n=1024 / 16384 1.096 / 1.033; the claiming D=64 consumers spill 252 bytes, and
-// 144 with a 56-register producer, which made them 1.26-1.37x slower.)
+// 144 with a 56-register producer, which made them 1.26-1.37x slower. Claimed by the producer alone and fed to the
+// consumers (lcsf's fed tasks), session 33: its atomic made ptxas spill 190-360 bytes, producer and consumers.)
 bool attn_varlen_claims(const attn_varlen_problem& p) {
   if (!p.causal) return false;
   return p.head_dim == 256 || (p.head_dim == 128 && three_consumers(p) && p.block_table == nullptr);

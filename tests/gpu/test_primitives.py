@@ -108,7 +108,7 @@ def test_maps_reductions_masks(prims, col_layout):
 
 def test_mbarrier_handoff(prims):
     """lcsf's fed-task hand-off in miniature: 1,000 records through a two-slot ring, every word seen by four warps
-    (run it under compute-sanitizer --tool racecheck to see whether the tool follows the mbarriers' ordering)."""
+    (compute-sanitizer --tool racecheck reports hazards on it: the tool does not follow the mbarriers' ordering)."""
     rounds = 1000
     out = torch.full((4,), -1, device="cuda", dtype=torch.int32)
     assert prims.tk_prim_handoff(rounds, _ptr(out)) == 0

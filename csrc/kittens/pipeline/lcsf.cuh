@@ -365,7 +365,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         wait(task_full[fslot], fphase);
         const typename K::task_t t = warp_uniform_copy(feed_task[fslot]);
         // Every lane read the slot: __syncwarp orders those reads before lane 0's arrive hands it back (the shuffle
-        // orders no memory). racecheck reports a hazard here with it or without (ab/README, session 32).
+        // orders no memory). racecheck reports a hazard here with it or without, and as well on the same hand-off in a
+        // minimal kernel (test_mbarrier_handoff, session 33): the tool does not follow the mbarriers' ordering.
         __syncwarp();
         if (laneid() == 0) arrive(task_empty[fslot]);
         if (++fslot == FEED) fslot = 0, fphase ^= 1;
