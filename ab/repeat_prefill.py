@@ -1,0 +1,47 @@
+"""How much one machine's attn_prefill figures move from round to round: the bench's dense cases timed again and again
+(the bench's own timing and order, scripts/benches/attention.py), each round's tk
+time and tk / peer ratios printed, then their spread. For reading a bench's near-miss against the noise.
+
+    python3 ab/repeat_prefill.py --rounds 5 --cases 64:1024:causal,64:1024:full   (head dim : length : mask)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benches"))
+
+import attention  # noqa: E402  (scripts/benches/attention.py)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cases", default="64:1024:causal,64:1024:full")
+    args = ap.parse_args()
+    heads = dict(attention.DENSE)
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for r in range(args.rounds):
+        for spec in args.cases.split(","):
+            d, n, mask = spec.split(":")
+            d, n = int(d), int(n)
+            rows = attention._dense_case(attention.TOKENS // n, n, heads[d], d, mask == "causal")
+            ms = {row.impl: row.median_ms for row in rows}
+            case = rows[0].case
+            line = ratios.setdefault(case, {})
+            line.setdefault("tk ms", []).append(ms["tk"])
+            for peer, t in ms.items():
+                if peer != "tk":
+                    line.setdefault(f"{peer}/tk", []).append(t / ms["tk"])
+            print(f"round {r} {case}: " + "  ".join(f"{k} {v[-1]:.4f}" for k, v in line.items()), flush=True)
+    print("spread over rounds (min / median / max):")
+    for case, line in ratios.items():
+        print(f"  {case}: " + "  ".join(f"{k} {min(v):.4f} / {statistics.median(v):.4f} / {max(v):.4f}"
+                                      for k, v in line.items()))
+
+
+if __name__ == "__main__":
+    main()
