@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build prims tests bench:gemm)
 summary=()
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv >"$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,serial,driver_version,power.limit,power.max_limit,clocks.max.sm,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 
 for step in "${steps[@]}"; do
   t0=$(date +%s)

@@ -1,0 +1,71 @@
+"""Whether an attn_prefill case's time differs between H200s through clocks / power: each impl of one dense case is
+replayed (CUDA graph, the bench's inputs) for a few seconds while nvidia-smi samples the SM clock, power draw and
+throttle reasons every 100 ms; prints each impl's time and the medians of its samples. (Session 33: tk's D=64
+n=1024 causal time was 0.835-0.849 ms on some machines, 0.79-0.80 on another, FA2's 1.236-1.241 on all.)
+
+    python3 ab/power_probe.py --case 64:1024:causal --seconds 4
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benches"))
+
+import attention  # noqa: E402  (scripts/benches/attention.py)
+import benchlib  # noqa: E402
+
+QUERY = "clocks.sm,power.draw,power.limit,clocks_throttle_reasons.active,temperature.gpu"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="64:1024:causal")
+    ap.add_argument("--seconds", type=float, default=4.0)
+    args = ap.parse_args()
+    d, n, mask = args.case.split(":")
+    d, n = int(d), int(n)
+    impls: dict = {}
+    # _measure's impls, captured instead of timed
+    orig = attention._measure
+    attention._measure = lambda case, found, flops: impls.update(found) or []
+    attention._dense_case(attention.TOKENS // n, n, dict(attention.DENSE)[d], d, mask == "causal")
+    attention._measure = orig
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,serial,power.limit,clocks.max.sm", "--format=csv"],
+                         capture_output=True, text=True).stdout.strip())
+    for impl, call in benchlib.selected(impls).items():
+        ms = benchlib.time_per_call(call, 1)
+        reps = max(1, int(args.seconds * 1000 / ms))
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for _ in range(min(reps, 50)):
+                call(0)
+        torch.cuda.current_stream().wait_stream(stream)
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "100"],
+                               stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        for _ in range(max(1, reps // 50)):
+            graph.replay()
+        torch.cuda.synchronize()
+        smi.terminate()
+        samples = [line.split(", ") for line in smi.communicate()[0].strip().splitlines()[3:]]  # past the idle start
+        samples = [s for s in samples if len(s) == 5]
+        clock = statistics.median(float(s[0]) for s in samples) if samples else float("nan")
+        power = statistics.median(float(s[1]) for s in samples) if samples else float("nan")
+        reasons = sorted({s[3] for s in samples})
+        print(f"{impl}: {ms:.4f} ms; {len(samples)} samples: SM clock {clock:.0f} MHz, power {power:.0f} W "
+              f"(limit {samples[0][2] if samples else '?'} W), throttle reasons {reasons}", flush=True)
+        del graph
+
+
+if __name__ == "__main__":
+    main()
