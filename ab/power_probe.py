@@ -10,17 +10,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benches"))
-
-import attention  # noqa: E402  (scripts/benches/attention.py)
-import benchlib  # noqa: E402
+from dense_cases import benchlib, dense
 
 QUERY = "clocks.sm,power.draw,power.limit,clocks_throttle_reasons.active,temperature.gpu"
 
@@ -30,14 +24,7 @@ def main() -> None:
     ap.add_argument("--case", default="64:1024:causal")
     ap.add_argument("--seconds", type=float, default=4.0)
     args = ap.parse_args()
-    d, n, mask = args.case.split(":")
-    d, n = int(d), int(n)
-    impls: dict = {}
-    # _measure's impls, captured instead of timed
-    orig = attention._measure
-    attention._measure = lambda case, found, flops: impls.update(found) or []
-    attention._dense_case(attention.TOKENS // n, n, dict(attention.DENSE)[d], d, mask == "causal")
-    attention._measure = orig
+    _, impls, _ = dense(args.case)
     print(subprocess.run(["nvidia-smi", "--query-gpu=name,serial,power.limit,clocks.max.sm", "--format=csv"],
                          capture_output=True, text=True).stdout.strip())
     for impl, call in benchlib.selected(impls).items():

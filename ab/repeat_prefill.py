@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benches"))
-
-import attention  # noqa: E402  (scripts/benches/attention.py)
+from dense_cases import attention, dense
 
 
 def main() -> None:
@@ -22,13 +17,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", default="64:1024:causal,64:1024:full")
     args = ap.parse_args()
-    heads = dict(attention.DENSE)
     ratios: dict[str, dict[str, list[float]]] = {}
     for r in range(args.rounds):
         for spec in args.cases.split(","):
-            d, n, mask = spec.split(":")
-            d, n = int(d), int(n)
-            rows = attention._dense_case(attention.TOKENS // n, n, heads[d], d, mask == "causal")
+            rows = attention.measure(*dense(spec))
             ms = {row.impl: row.median_ms for row in rows}
             case = rows[0].case
             line = ratios.setdefault(case, {})

@@ -30,7 +30,7 @@ def _flops(lengths_q, lengths_k, heads, d, causal):
     return total
 
 
-def _measure(case: str, impls: dict, flops: int) -> list[Row]:
+def measure(case: str, impls: dict, flops: int) -> list[Row]:
     """Time each impl; a peer that cannot run the case is left out, and the reason printed."""
     rows = []
     for impl, call in selected(impls).items():
@@ -44,7 +44,8 @@ def _measure(case: str, impls: dict, flops: int) -> list[Row]:
     return rows
 
 
-def _dense_case(b, n, h, d, causal, hkv=None, name=None) -> list[Row]:
+def dense_impls(b, n, h, d, causal, hkv=None, name=None) -> tuple[str, dict, int]:
+    """A dense case's name, its impls (call(i) -> output) and its FLOP count, on one set of random inputs."""
     hkv = hkv or h
     q = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -62,7 +63,11 @@ def _dense_case(b, n, h, d, causal, hkv=None, name=None) -> list[Row]:
     fa3 = _fa3()
     if fa3 is not None:
         impls["fa3"] = lambda i: fa3.flash_attn_func(q, k, v, causal=causal)
-    return _measure(case, impls, flops)
+    return case, impls, flops
+
+
+def _dense_case(b, n, h, d, causal, hkv=None, name=None) -> list[Row]:
+    return measure(*dense_impls(b, n, h, d, causal, hkv, name))
 
 
 def _varlen_case() -> list[Row]:
@@ -80,7 +85,7 @@ def _varlen_case() -> list[Row]:
     fa3 = _fa3()
     if fa3 is not None:
         impls["fa3"] = lambda i: fa3.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
-    return _measure(case, impls, flops)
+    return measure(case, impls, flops)
 
 
 def _paged_case(block: int) -> list[Row]:
@@ -103,7 +108,7 @@ def _paged_case(block: int) -> list[Row]:
         q4 = q.view(1, new, hq, d)
         impls["fa3"] = lambda i: fa3.flash_attn_with_kvcache(q4, k_cache, v_cache, cache_seqlens=used, page_table=table,
                                                              causal=True)
-    return _measure(case, impls, flops)
+    return measure(case, impls, flops)
 
 
 def run(quick: bool = False) -> list[Row]:

@@ -58,11 +58,7 @@ def test_tensor_core_kernels_neither_spill_nor_serialize_their_products(kernels)
     assert len(tensor) >= 10, sorted(kernels)[:20]  # gemm, prefill, decode, Based, SSD instantiations
     spills = {name[:120]: sum(bool(LOCAL_MEMORY.match(x)) for x in lines) for name, lines in tensor.items()}
     assert not any(spills.values()), {k: v for k, v in spills.items() if v}
-    serialized = {}
-    for name, lines in tensor.items():
-        products = sum("HGMMA" in x for x in lines)
-        fences = sum("WARPGROUP.ARRIVE" in x for x in lines)
-        if 2 * fences > products:
-            serialized[name[:120]] = (fences, products)
+    fences = {name[:120]: (sum("WARPGROUP.ARRIVE" in x for x in lines), sum("HGMMA" in x for x in lines))
+              for name, lines in tensor.items()}  # (fences, products)
+    serialized = {k: v for k, v in fences.items() if 2 * v[0] > v[1]}
     assert not serialized, serialized
-
