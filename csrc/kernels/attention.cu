@@ -19,7 +19,7 @@ namespace {
 
 using tk::attn::LOG2E;
 
-template <typename T, int D, int C, bool Claims, bool FastSerial>
+template <typename T, int D, int C, bool Claims, bool FastSerial, bool Capped = true>
 struct attn_prefill {
   // C consumers, 64 query rows each. Three (D=64 and D=128; 192 queries a task): each K/V tile loaded serves
   // 1.5x the queries of two. D=128 then has 160 registers a thread, too few to hold the next tile's scores
@@ -186,7 +186,8 @@ struct attn_prefill {
     s.v_prev = nullptr;
     if (wg == consumers - 1) warpgroup::arrive_at(TURN + 0, BOTH);  // consumer 0 goes first
   }
-  __device__ static tk::attn::scoring scoring(const globals& g) { return {g.scale_log2, g.softcap}; }
+  // Capped = false: launched without a softcap (its code compiled out).
+  __device__ static tk::attn::scoring scoring(const globals& g) { return {g.scale_log2, Capped ? g.softcap : 0.f}; }
 
   __device__ static int task_count(const globals& g) { return g.q_blocks * g.batch * g.hq; }
   // Task order, L2-aware: (sequence, head) pairs go in groups of heads_per_group, whose K/V fit in L2 together;
@@ -388,8 +389,13 @@ struct attn_prefill {
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
-    free_queries(scratch, s, t, 0, wg);
-    softmax<false>(s, att, scratch, in, g, t, 0, wg);
+    if constexpr (seeded_first) {
+      softmax<false>(s, att, scratch, in, g, t, 0, wg);
+      free_queries(scratch, s, t, 0, wg);  // after the softmax, which may run S_0 again
+    } else {
+      free_queries(scratch, s, t, 0, wg);
+      softmax<false>(s, att, scratch, in, g, t, 0, wg);
+    }
     wgmma::fence_operand(s.p);
     copy(s.p, att);
     s.v_prev = v_of(in);
@@ -478,6 +484,12 @@ struct attn_prefill {
   // same-call A/B on the H200 (session 32, two rounds): D=64 0.991-0.999 of the time (n=1024 full / causal 0.997 /
   // 0.993; alone: 0.985 / 1.003, base drift <= 1.027), the other kernels' SASS unchanged.
   static constexpr bool fresh_first = D == 64;
+  // ... and, launched without a softcap (Capped = false), on the fast softmax against a guess at each row's max
+  // (online_softmax's Fresh and Fast: the max of the tile's first 16 columns), the exact step only where the guess
+  // fails the fast path's test. Same-call A/B on the H200 (session 34, two rounds): D=64 0.980-0.991 of the time
+  // (n=1024 full / causal 0.980 / 0.991), the unchanged kernels 0.985-1.009. With a softcap's code beside it the
+  // consumers spilled 100 bytes, so softcap launches take the Capped kernel, which keeps the exact first tile.
+  static constexpr bool seeded_first = fresh_first && fast_softmax && !Capped;
   template <bool Fast>
   __device__ static void softmax(consumer_state& s, s_tile& att, scratch_block& scratch, const input_block& in,
                                  const globals& g, const task_t& t, int it, int wg) {
@@ -492,10 +504,11 @@ struct attn_prefill {
       warpgroup::mma_async_wait<0>();
     };
     const auto group_all = [wg](bool pred) { return warpgroup::all(1 + wg, pred); };
+    constexpr bool fresh = !Fast && fresh_first, fast = (Fast || seeded_first) && fast_softmax;
     if constexpr (skip_hidden) {
       if (s.mask.hides(col0)) {  // see skip_hidden
         s.rescale_o = false;
-        if constexpr (Fast && fast_softmax) {
+        if constexpr (fast) {
           if (!group_all(true)) {  // the group's recompute: every warp issues it, and its result must stay live
             recompute(att);
             map(att, att, [](float x) { return 0.f * x; });
@@ -506,8 +519,7 @@ struct attn_prefill {
         return;
       }
     }
-    constexpr bool fresh = !Fast && fresh_first;
-    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, Fast && fast_softmax, !serial, fresh>(
+    s.rescale_o = tk::attn::online_softmax<!(serial && Claims), ~0u, fast, !serial, fresh>(
         att, s.m, s.l, s.rescale, scoring(g), vis, row0, col0, masked, recompute, group_all);
   }
 
@@ -607,9 +619,9 @@ inline int heads_per_l2_group(const tk::attn_varlen_problem& p, int head_dim, in
 // (attn_prefill::dynamic) turn causal n=4096 around: 0.96 of two strided consumers' time (session 10).
 inline bool three_consumers(const tk::attn_varlen_problem& p) { return p.head_dim != 128 || p.max_seqlen_k > 1024; }
 
-template <typename T, int D, int C, bool Claims = false, bool FastSerial = false>
+template <typename T, int D, int C, bool Claims = false, bool FastSerial = false, bool Capped = true>
 void run(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
-  using K = attn_prefill<T, D, C, Claims, FastSerial>;
+  using K = attn_prefill<T, D, C, Claims, FastSerial, Capped>;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   const bool paged = p.block_table != nullptr;
   typename K::globals g{};
@@ -671,7 +683,8 @@ void run_serial(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stre
 template <typename T>
 void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return run<T, 64, 3>(p, num_sms, stream);
+    case 64:  // the kernel without a softcap's code unless one is asked for (attn_prefill::seeded_first)
+      return p.softcap > 0.f ? run<T, 64, 3>(p, num_sms, stream) : run<T, 64, 3, false, false, false>(p, num_sms, stream);
     case 128: return three_consumers(p) ? run_serial<T>(p, num_sms, stream) : run<T, 128, 2>(p, num_sms, stream);
     case 256:
       return tk::attn_varlen_claims(p) ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);

@@ -98,9 +98,13 @@ inline constexpr float RESCALE_THRESHOLD = 8.f;
 // less a tile, and ~140 bytes of spill less in the 160-register serial prefill kernel.
 // `group_all(pred)`: whether pred holds in every warp of the group that runs the recompute's product (a
 // warpgroup: all of its warps must issue it, or none).
-// Fresh (not Fast; a task's first tile): no row has seen a key yet (m = -inf, l = 0, the output 0), so the step
-// skips the old max's rescale (two ex2 and the lazy test a row) and the output's (the result is false: 0 needs none).
+// Fresh (a task's first tile): no row has seen a key yet (m = -inf, l = 0, the output 0), so the step skips the old
+// max's rescale (two ex2 and the lazy test a row) and the output's (the result is false: 0 needs none).
+// Fresh and Fast (seeded): the fast step against a guess at each row's max, its max over the tile's first 16 columns
+// (SEED_BLOCKS: 12 FMNMX and 4 shuffles a thread, where the row max takes 68 and 4); the exact step (Fresh, from
+// the scores recomputed) where the guess was too low for the share test, or left a row at -inf.
 inline constexpr float FAST_SHARE_LIMIT = 32768.f;
+inline constexpr int SEED_BLOCKS = 1;
 template <bool Lazy, unsigned RowSlots, bool Fast, bool FastIfSeen, bool Fresh = false, typename S, typename V,
           typename Visibility, typename Masked, typename Recompute, typename GroupAll>
 __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, const scoring& sc,
@@ -127,6 +131,7 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   };
   prepare();
   if constexpr (Fast) {
+    if constexpr (Fresh) row_max_leading<SEED_BLOCKS, RowSlots>(m, att, m);  // the guess (m was -inf)
     bool seen = true;  // every row of the warp has seen a key (a task's first tile: none has)
 #pragma unroll
     for (int b = 0; b < V::blocks; b++)
@@ -161,8 +166,7 @@ __device__ __forceinline__ bool online_softmax(S& att, V& m, V& l, V& rescale, c
   V m_new, base;
   row_max<RowSlots>(m_new, att, m);
   bool moved = false;  // Lazy: whether any of this lane's rows moved its max
-  static_assert(!(Fresh && Fast), "fresh: the exact step");
-  if constexpr (Fresh) {  // no old max to rescale from: l and the output stay as they are (0)
+  if constexpr (Fresh) {  // no old max to rescale from: l and the output stay as they are (0); a seed is <= m_new
     map(base, m_new, [es](float x) { return x == -INFINITY ? 0.f : x * es; });  // a row still masked: 0
     copy(m, m_new);
   } else if constexpr (Lazy) {

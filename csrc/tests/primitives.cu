@@ -112,7 +112,8 @@ cudaError_t run_mma(const void* a, const void* b, void* d) {
 
 // ---- maps, reductions, broadcasts, masks on one warp's 32 x 64 fp32 tile -------------------------
 // out rows: [0] x - row_max(x) then exp2, [1] row_sum(x) broadcast, [2] col_sum(x) broadcast, [3] tril(x),
-// [4] (row layout only) mask_cols(x) at offset (3, 5), keeping columns [row - 8, row + 20] of each row
+// [4] (row layout only) mask_cols(x) at offset (3, 5), keeping columns [row - 8, row + 20] of each row,
+// [5] row_max_leading<2>(x) (the max of each row's first 32 columns) broadcast
 using fp32_view = gl<float, 1, RUNTIME, RUNTIME, RUNTIME>;
 template <typename Layout>
 __global__ void maps_kernel(const __grid_constant__ fp32_view in, const __grid_constant__ fp32_view out) {
@@ -140,6 +141,11 @@ __global__ void maps_kernel(const __grid_constant__ fp32_view in, const __grid_c
     mask_cols(r, t, 3, 5, [](int row, int& lo, int& hi) { lo = row - 8, hi = row + 20; }, -2.f);
     store(4, r);
   }
+  fill(mx, -INFINITY);
+  row_max_leading<2>(mx, t, mx);
+  zero(r);
+  add_row(r, r, mx);
+  store(5, r);
 }
 
 }  // namespace
@@ -218,7 +224,7 @@ int tk_prim_mma(int n, int variant, const void* a, const void* b, void* d) {
 }
 
 int tk_prim_maps(int col_layout, const float* x, float* out) {
-  const fp32_view in{const_cast<float*>(x), {1, 1, 32, 64}}, o{out, {1, 5, 32, 64}};
+  const fp32_view in{const_cast<float*>(x), {1, 1, 32, 64}}, o{out, {1, 6, 32, 64}};
   if (col_layout) maps_kernel<col_l><<<1, 32>>>(in, o);
   else maps_kernel<row_l><<<1, 32>>>(in, o);
   cudaError_t e = cudaGetLastError();

@@ -96,19 +96,41 @@ def test_score_jumps(d, causal, boost, longest, seed):
                    f"score jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}", causal=causal)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("boost", [6.0, 60.0, 2000.0])
+def test_first_tile_jumps(d, causal, boost, seed):
+    """A strong key inside a task's first key tile but past its first 16 keys, where D=64 guesses each row's max for
+    the fast softmax: a guess too low by a little (the fast path holds), by a lot (the exact step takes the tile
+    over) and by more than 2^128."""
+    rng = random.Random(seed)
+    lq = _lengths(rng, 6, 130, 1000)
+    q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
+    start = 0
+    for n in lq:
+        k[start + rng.randrange(16, 128)] *= boost
+        start += n
+    cu = _cu(lq)
+    _run_and_check(q, k, v, cu, cu, max(lq), max(lq),
+                   f"first-tile jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}", causal=causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("window,softcap", [((64, 0), 0.0), ((100, 37), 0.0), ((-1, -1), 30.0), ((256, -1), 5.0)])
-def test_window_softcap(window, softcap, seed):
+def test_window_softcap(d, window, softcap, seed):
     rng = random.Random(seed)
     lq = _lengths(rng, 3, 50, 600)
-    q = torch.randn(sum(lq), 8, 128, device="cuda", dtype=torch.float16)
-    k = torch.randn(sum(lq), 2, 128, device="cuda", dtype=torch.float16)
-    v = torch.randn(sum(lq), 2, 128, device="cuda", dtype=torch.float16)
+    q = torch.randn(sum(lq), 8, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.float16)
     cu = _cu(lq)
     out, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu, cu, max(lq), max(lq), window_size=window,
                                                  softcap=softcap, return_softmax_lse=True)
     torch.cuda.synchronize()
     ref_out, ref_lse = reference.attention(q, k, v, cu, cu, window_size=window, softcap=softcap)
-    _check(out, lse, ref_out, ref_lse, f"window={window} softcap={softcap} seed={seed}")
+    _check(out, lse, ref_out, ref_lse, f"d={d} window={window} softcap={softcap} seed={seed}")
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])

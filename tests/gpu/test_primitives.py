@@ -92,7 +92,7 @@ def test_wgmma_transposed_shared_a(prims, n):
 @pytest.mark.parametrize("col_layout", [False, True])
 def test_maps_reductions_masks(prims, col_layout):
     x = torch.randn(32, 64, device="cuda")
-    out = torch.full((5, 32, 64), float("nan"), device="cuda")
+    out = torch.full((6, 32, 64), float("nan"), device="cuda")
     assert prims.tk_prim_maps(int(col_layout), _ptr(x), _ptr(out)) == 0
     torch.testing.assert_close(out[0], torch.exp2(x - x.amax(1, keepdim=True)), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out[1], x.sum(1, keepdim=True).expand(32, 64), rtol=1e-5, atol=1e-5)
@@ -104,6 +104,7 @@ def test_maps_reductions_masks(prims, col_layout):
         col = torch.arange(64, device="cuda")[None, :] + 5
         kept = (col >= row - 8) & (col <= row + 20)
         torch.testing.assert_close(out[4], torch.where(kept, x, torch.full_like(x, -2.0)))
+    torch.testing.assert_close(out[5], x[:, :32].amax(1, keepdim=True).expand(32, 64))  # row_max_leading<2>
 
 
 def test_mbarrier_handoff(prims):

@@ -140,11 +140,12 @@ namespace detail {
 // out = reduce over rows (AlongRows: one result per row) or columns of t, folded into init if given. Without
 // AcrossLanes each lane keeps its own share (the lanes holding one row or column are not combined).
 // RowSlots (along rows): a mask of the per-row vector's slots to reduce; the others keep Op's identity (folded
-// into init) without reading the tile.
+// into init) without reading the tile. Blocks: only the tile's first Blocks 16-column blocks are read.
 template <bool AlongRows, typename Op, register_tile RT, register_vector V, bool AcrossLanes = true,
-          unsigned RowSlots = ~0u>
+          unsigned RowSlots = ~0u, int Blocks = RT::width>
 __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
   using F = frag<typename RT::layout>;
+  static_assert(AlongRows || Blocks == RT::width, "reduce: a column reduction reads every column block");
   static_assert(V::length == (AlongRows ? RT::rows : RT::cols) &&
                     V::per_lane == (AlongRows ? F::rows_per_lane : F::cols_per_lane),
                 "reduction: the vector must be the tile's per_row (row_*) or per_col (col_*) type");
@@ -156,7 +157,7 @@ __device__ __forceinline__ void reduce(V& out, const RT& t, const V* init) {
 #pragma unroll
   for (int i = 0; i < RT::height; i++)
 #pragma unroll
-    for (int j = 0; j < RT::width; j++)
+    for (int j = 0; j < Blocks; j++)
 #pragma unroll
       for (int k = 0; k < 4; k++) {
         const float2 v = convert<float2>(t.data[i][j][k]);
@@ -229,6 +230,12 @@ TK_REDUCTION(col_sum, false, op::add)
 template <unsigned RowSlots = ~0u, register_vector V, register_tile RT>
 __device__ __forceinline__ void row_sum_share(V& out, const RT& t, const V& init) {
   detail::reduce<true, op::add, RT, V, false, RowSlots>(out, t, &init);
+}
+// The row max over the tile's first Blocks 16-column blocks only (e.g. a first guess at it), folded into init.
+template <int Blocks, unsigned RowSlots = ~0u, register_vector V, register_tile RT>
+__device__ __forceinline__ void row_max_leading(V& out, const RT& t, const V& init) {
+  static_assert(Blocks >= 1 && Blocks <= RT::width, "row_max_leading: 1 .. width blocks");
+  detail::reduce<true, op::max, RT, V, true, RowSlots, Blocks>(out, t, &init);
 }
 // out = the full row sums from the lanes' shares in v, for vectors of tiles shaped like RT.
 template <register_tile RT, register_vector V> __device__ __forceinline__ void lanes_row_sum(V& out, const V& v) {
