@@ -389,13 +389,9 @@ struct attn_prefill {
     warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
-    if constexpr (seeded_first) {
-      softmax<false>(s, att, scratch, in, g, t, 0, wg);
-      free_queries(scratch, s, t, 0, wg);  // after the softmax, which may run S_0 again
-    } else {
-      free_queries(scratch, s, t, 0, wg);
-      softmax<false>(s, att, scratch, in, g, t, 0, wg);
-    }
+    if constexpr (!seeded_first) free_queries(scratch, s, t, 0, wg);
+    softmax<false>(s, att, scratch, in, g, t, 0, wg);
+    if constexpr (seeded_first) free_queries(scratch, s, t, 0, wg);  // after the softmax, which may run S_0 again
     wgmma::fence_operand(s.p);
     copy(s.p, att);
     s.v_prev = v_of(in);
@@ -684,7 +680,8 @@ template <typename T>
 void run_dtype(const tk::attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64:  // the kernel without a softcap's code unless one is asked for (attn_prefill::seeded_first)
-      return p.softcap > 0.f ? run<T, 64, 3>(p, num_sms, stream) : run<T, 64, 3, false, false, false>(p, num_sms, stream);
+      if (p.softcap > 0.f) return run<T, 64, 3>(p, num_sms, stream);
+      return run<T, 64, 3, false, false, /*Capped=*/false>(p, num_sms, stream);
     case 128: return three_consumers(p) ? run_serial<T>(p, num_sms, stream) : run<T, 128, 2>(p, num_sms, stream);
     case 256:
       return tk::attn_varlen_claims(p) ? run<T, 256, 2, true>(p, num_sms, stream) : run<T, 256, 2>(p, num_sms, stream);

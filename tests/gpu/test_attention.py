@@ -28,6 +28,15 @@ def _check(out, lse, ref_out, ref_lse, what):
     assert_close(lse[finite], ref_lse[finite], rel=1e-3, atol=1e-3, what=f"{what} lse")
 
 
+def _boost_keys(k, lengths, positions, boost):
+    """Scales the keys at positions(n) of each sequence (n its length) of the packed k by boost."""
+    start = 0
+    for n in lengths:
+        for pos in positions(n):
+            k[start + pos] *= boost
+        start += n
+
+
 def _run_and_check(q, k, v, cu_q, cu_k, max_q, max_k, what, **kw):
     """flash_attn_varlen_func into a NaN-poisoned output, against the float32 reference with the same arguments."""
     out = torch.full_like(q, float("nan"))
@@ -86,11 +95,7 @@ def test_score_jumps(d, causal, boost, longest, seed):
     q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
-    start = 0
-    for n in lq:
-        for pos in rng.sample(range(300, n), 3):
-            k[start + pos] *= boost
-        start += n
+    _boost_keys(k, lq, lambda n: rng.sample(range(300, n), 3), boost)
     cu = _cu(lq)
     _run_and_check(q, k, v, cu, cu, max(lq), max(lq),
                    f"score jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}", causal=causal)
@@ -108,10 +113,7 @@ def test_first_tile_jumps(d, causal, boost, seed):
     q = torch.randn(sum(lq), 4, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(sum(lq), 2, d, device="cuda", dtype=torch.bfloat16)
-    start = 0
-    for n in lq:
-        k[start + rng.randrange(16, 128)] *= boost
-        start += n
+    _boost_keys(k, lq, lambda n: [rng.randrange(16, 128)], boost)
     cu = _cu(lq)
     _run_and_check(q, k, v, cu, cu, max(lq), max(lq),
                    f"first-tile jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}", causal=causal)
