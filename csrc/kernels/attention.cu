@@ -153,6 +153,7 @@ struct attn_prefill {
     int q_phase;
     int seen_lo, seen_hi;   // serial: the task's tiles [seen_lo, seen_hi) hold keys this consumer's rows see
     int own;                // trims: the task's tiles this consumer computes (own_iters)
+    bool half;              // half_last: the last of them is a half tile (its rows see none of its last 64 keys)
     // Which of the task's tiles this warp's rows mask (compute_first), where mask_once.
     [[no_unique_address]] std::conditional_t<mask_once, tk::attn::visibility<>::span, std::monostate> mask;
   };
@@ -339,25 +340,40 @@ struct attn_prefill {
       serial_tile<true>(s, in, scratch, g, t, it, wg);
       return;
     }
-    s_tile att;
+    if constexpr (half_last) {
+      if (s.half && it == s.own - 1) return overlapped_tile<HALF>(s, in, scratch, g, t, it, wg);
+    }
+    overlapped_tile<KV>(s, in, scratch, g, t, it, wg);
+  }
+  // The overlapped order's tile `it` on its first Cols keys (KV, or HALF: see half_last).
+  template <int Cols>
+  __device__ static void overlapped_tile(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
+                                         const task_t& t, int it, int wg) {
+    rt_fl<16, Cols> att;
     warpgroup::sync_with(TURN + wg, BOTH);
-    warpgroup::mm_ABt(att, scratch.q[wg], k_of(in));
+    warpgroup::mm_ABt(att, scratch.q[wg], keys<Cols>(in));
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);  // o is idle here: only S_j is in flight
-    warpgroup::mma_AB(s.o, s.p, *s.v_prev);
+    warpgroup::mma_AB(s.o, s.p, *s.v_prev);  // the previous tile is a whole one (a half tile is a consumer's last)
     warpgroup::arrive_at(next_turn(wg), BOTH);
     warpgroup::mma_async_wait<1>();  // S_j is ready; P_{j-1} V_{j-1} may still run
     softmax<true>(s, att, scratch, in, g, t, it, wg);
     free_queries(scratch, s, t, it, wg);  // after the softmax, which may run S_j again
     warpgroup::mma_async_wait<0>();  // P_{j-1} V_{j-1} is done: p is free
     wgmma::fence_operand(s.p);
-    copy(s.p, att);
+    copy_leading(s.p, att);
     s.v_prev = v_of(in);
+  }
+  // K_j's first Cols rows (keys).
+  template <int Cols> __device__ static auto keys(const input_block& in) {
+    if constexpr (Cols == KV) return k_of(in).ref();
+    else return k_of(in).template row_block<Cols>(0);
   }
 
   // A task's first tile: the queries (loaded here unless q_ahead), then S_0 alone.
   __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                        const task_t& t, int wg) {
     if constexpr (trims) s.own = own_iters(g, t, wg);
+    if constexpr (half_last) s.half = s.own > 1 && last_keys(g, t, wg) - (t.first + s.own - 1) * KV <= HALF;
     if constexpr (mask_once) {
       const int row0 = rows_of(t, wg);
       s.mask = visibility(g, t).mask_span(row0, s_tile::rows, KV);
@@ -444,8 +460,11 @@ struct attn_prefill {
     requires trims
   {
     if (t.iters == 0 || idle(t, wg)) return 0;
-    const int end = key_range(g, t, t.row0 + wg * QROWS, QROWS).end;
-    return min(t.iters, max(1, ceil_div(end, KV) - t.first));
+    return min(t.iters, max(1, ceil_div(last_keys(g, t, wg), KV) - t.first));
+  }
+  // The end of the keys this consumer's rows see.
+  __device__ static int last_keys(const globals& g, const task_t& t, int wg) {
+    return key_range(g, t, t.row0 + wg * QROWS, QROWS).end;
   }
   __device__ static void sit_out(int wg)
     requires trims
@@ -486,17 +505,23 @@ struct attn_prefill {
   // (n=1024 full / causal 0.980 / 0.991), the unchanged kernels 0.985-1.009. With a softcap's code beside it the
   // consumers spilled 100 bytes, so softcap launches take the Capped kernel, which keeps the exact first tile.
   static constexpr bool seeded_first = fresh_first && fast_softmax && !Capped;
-  template <bool Fast>
-  __device__ static void softmax(consumer_state& s, s_tile& att, scratch_block& scratch, const input_block& in,
+  // Half last tile (D=64 without a softcap): where a consumer's rows see none of its last tile's last 64 keys (under
+  // a causal mask, a diagonal tile whose rows start at a multiple of 128 keys: half of them at n=1024, 8 of the 72
+  // tiles a sequence's consumers compute; a sequence ending in a tile's first half), that tile's S and P V run on
+  // its first 64 keys only: half the products and exp2 of a whole tile.
+  static constexpr bool half_last = trims && seeded_first;
+  static constexpr int HALF = KV / 2;
+  template <bool Fast, typename S>
+  __device__ static void softmax(consumer_state& s, S& att, scratch_block& scratch, const input_block& in,
                                  const globals& g, const task_t& t, int it, int wg) {
     const int row0 = rows_of(t, wg), col0 = (t.first + it) * KV;
     const auto vis = visibility(g, t);
     const auto masked = [&] {
       if constexpr (mask_once) return s.mask.masks(col0);
-      else return vis.partial(row0, s_tile::rows, col0, KV);
+      else return vis.partial(row0, S::rows, col0, S::cols);
     };
-    const auto recompute = [&](s_tile& a) {
-      warpgroup::mm_ABt(a, scratch.q[wg], k_of(in));
+    const auto recompute = [&](S& a) {
+      warpgroup::mm_ABt(a, scratch.q[wg], keys<S::cols>(in));
       warpgroup::mma_async_wait<0>();
     };
     const auto group_all = [wg](bool pred) { return warpgroup::all(1 + wg, pred); };
@@ -526,6 +551,13 @@ struct attn_prefill {
     if constexpr (serial) return;  // every tile's P V is done in its own compute
     if (last_tile(s, t) == t.iters / SLOTS - 1) zero_tail(s.v_prev, t, wg);
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
+    if constexpr (half_last) {
+      if (s.half) {
+        warpgroup::mma_AB_leading(s.o, s.p, s.v_prev->template row_block<HALF>(0));
+        wgmma::fence_operand(s.p);
+        return;
+      }
+    }
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);
   }

@@ -119,6 +119,26 @@ def test_first_tile_jumps(d, causal, boost, seed):
                    f"first-tile jumps d={d} causal={causal} boost={boost} lq={lq} seed={seed}", causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("boost", [1.0, 60.0, 2000.0])
+def test_half_last_tiles(causal, dtype, boost, seed):
+    """D=64 runs a consumer's last key tile on its first 64 keys where its rows see none of the other 64: sequences
+    that end in a tile's first half (every consumer's last tile, causal or not), causal diagonals whose rows start at
+    a multiple of 128, and chunks of fewer queries than keys (bottom-right alignment moves the diagonal). A strong key
+    inside those half tiles sends their fast softmax to the exact step (boost 60) or overflows it (2000)."""
+    rng = random.Random(seed)
+    lk = [128 * rng.randint(1, 8) + rng.randint(1, 64) for _ in range(3)] + [1024, 64, 192]
+    lq = [n if i % 2 else max(1, n - 64 * rng.randint(0, 3)) for i, n in enumerate(lk)]
+    q = torch.randn(sum(lq), 4, 64, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lk), 2, 64, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lk), 2, 64, device="cuda", dtype=dtype)
+    if boost != 1.0:
+        _boost_keys(k, lk, lambda n: [128 * m + rng.randrange(0, 64) for m in range(0, (n + 127) // 128, 2)], boost)
+    _run_and_check(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk),
+                   f"half last tiles causal={causal} {dtype} boost={boost} lq={lq} lk={lk} seed={seed}", causal=causal)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window,softcap", [((64, 0), 0.0), ((100, 37), 0.0), ((-1, -1), 30.0), ((256, -1), 5.0)])

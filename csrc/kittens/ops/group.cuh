@@ -269,12 +269,15 @@ struct group {
   // (mm_AtB / mma_AtB) a K x 64 shared tile used transposed; b: K x N (mm_AB / mma_AB / *_AtB) or N x K
   // (mm_ABt / mma_ABt) shared tile. mm_* overwrite d, mma_* add to it.
   // Each call issues its k-steps and commits them as one group; mma_async_wait<n>() retires groups.
-  template <bool Accumulate, bool BIsNK, typename D, typename A, typename B, bool AIsKM = false>
+  // ALeading: a is a register tile of which only the first K columns (K = b's rows) are multiplied.
+  template <bool Accumulate, bool BIsNK, typename D, typename A, typename B, bool AIsKM = false, bool ALeading = false>
   __device__ static __forceinline__ void mma(D& d, const A& a, const B& b_tile) requires(NW == 4) {
     const auto b = as_ref(b_tile);
     using BR = std::remove_cv_t<decltype(b)>;
     using T = typename BR::dtype;
-    constexpr int K = AIsKM ? A::rows : A::cols;
+    constexpr int K = ALeading ? BR::rows : AIsKM ? A::rows : A::cols;
+    static_assert(!ALeading || (register_tile<A> && !BIsNK && K <= A::cols),
+                  "mma_AB_leading: a register A of at least b's rows in columns");
     static_assert(std::is_same_v<typename A::dtype, T>, "wgmma: A and B must have the same element type");
     static_assert(K % 16 == 0, "wgmma: the reduction dim must be a multiple of 16");
     if constexpr (BIsNK) static_assert(BR::rows == D::cols && BR::cols == K, "mma_ABt: b must be N x K");
@@ -305,6 +308,9 @@ struct group {
   }
   template <typename D, typename A, typename B> __device__ static __forceinline__ void mm_AB(D& d, const A& a, const B& b) requires(NW == 4) { mma<false, false>(d, a, b); }
   template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_AB(D& d, const A& a, const B& b) requires(NW == 4) { mma<true, false>(d, a, b); }
+  // d += a[:, :K] b, K = b's rows: a register A tile's leading columns only (e.g. probabilities of a tile whose
+  // trailing keys no row sees, against those keys' rows of V alone).
+  template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_AB_leading(D& d, const A& a, const B& b) requires(NW == 4) { mma<true, false, D, A, B, false, true>(d, a, b); }
   template <typename D, typename A, typename B> __device__ static __forceinline__ void mm_ABt(D& d, const A& a, const B& b) requires(NW == 4) { mma<false, true>(d, a, b); }
   template <typename D, typename A, typename B> __device__ static __forceinline__ void mma_ABt(D& d, const A& a, const B& b) requires(NW == 4) { mma<true, true>(d, a, b); }
   // d (+)= a^T b with a a K x 64 shared tile (e.g. tokens x features): no transposed copy is made.

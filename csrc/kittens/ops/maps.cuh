@@ -91,6 +91,19 @@ template <register_tile D> __device__ __forceinline__ void fill(D& dst, float v)
 template <register_tile D> __device__ __forceinline__ void zero(D& dst) { fill(dst, 0.f); }
 // Type conversion (e.g. fp32 accumulators to a bf16 wgmma A operand: same fragment layout).
 template <register_tile D, register_tile S> __device__ __forceinline__ void copy(D& dst, const S& src) { map(dst, src, [](float x) { return x; }); }
+// dst's first S::cols columns = src, converted (e.g. a narrower score tile into a wider A operand whose leading
+// columns alone are multiplied: warpgroup::mma_AB_leading); dst's other columns keep their values.
+template <register_tile D, register_tile S>
+__device__ __forceinline__ void copy_leading(D& dst, const S& src) {
+  static_assert(D::rows == S::rows && D::cols >= S::cols && std::is_same_v<typename D::layout, typename S::layout>,
+                "copy_leading: as many rows, at least as many columns, the same layout");
+#pragma unroll
+  for (int i = 0; i < S::height; i++)
+#pragma unroll
+    for (int j = 0; j < S::width; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) dst.data[i][j][k] = convert<typename D::T2>(convert<float2>(src.data[i][j][k]));
+}
 
 template <register_tile D, register_tile S> __device__ __forceinline__ void exp2(D& d, const S& s) { map(d, s, [](float x) { return fast_exp2(x); }); }
 template <register_tile D, register_tile S> __device__ __forceinline__ void exp(D& d, const S& s) { map(d, s, [](float x) { return __expf(x); }); }
