@@ -55,8 +55,9 @@ cudaError_t run_roundtrip(const void* in, void* out, int rows, int cols) {
 }
 
 // ---- wgmma: D[64, N] = A[64, K] @ B with A in shared (64 x K, or K x 64 used transposed) or registers,
-// B as K x N or N x K ---------------------------------------------------------------------------------
-template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM = false>
+// B as K x N or N x K; Leading: D = A[:, :K/2] @ B[:K/2] from registers whose other columns hold NaN
+// (copy_leading, then mma_AB_leading on B's first K/2 rows) -----------------------------------------------
+template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM = false, bool Leading = false>
 struct mma_case {
   using a_tile = std::conditional_t<AIsKM, st_bf<K, 64>, st_bf<64, K>>;
   using b_tile = std::conditional_t<BIsNK, st_bf<N, K>, st_bf<K, N>>;
@@ -68,9 +69,9 @@ struct mma_case {
   struct smem_t { a_tile a; b_tile b; };
 };
 
-template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM>
-__global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typename mma_case<N, K, ARegs, BIsNK, AIsKM>::globals g) {
-  using P = mma_case<N, K, ARegs, BIsNK, AIsKM>;
+template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM, bool Leading>
+__global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typename mma_case<N, K, ARegs, BIsNK, AIsKM, Leading>::globals g) {
+  using P = mma_case<N, K, ARegs, BIsNK, AIsKM, Leading>;
   extern __shared__ uint8_t raw[];
   auto& s = *reinterpret_cast<typename P::smem_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   __shared__ semaphore loaded;
@@ -83,7 +84,20 @@ __global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typena
   }
   wait(loaded, 0);
   rt_fl<16, N> d;
-  if constexpr (AIsKM) {
+  if constexpr (Leading) {
+    rt_bf<16, K> a;
+    warpgroup::load(a, s.a.ref());
+    rt_fl<16, K / 2> lead;  // a's first K / 2 columns, in fp32
+#pragma unroll
+    for (int j = 0; j < K / 32; j++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) lead.data[0][j][k] = convert<float2>(a.data[0][j][k]);
+    rt_bf<16, K> wide;
+    fill(wide, NAN);
+    copy_leading(wide, lead);
+    zero(d);
+    warpgroup::mma_AB_leading(d, wide, s.b.template row_block<K / 2>(0));
+  } else if constexpr (AIsKM) {
     warpgroup::mm_AtB(d, s.a, s.b);
   } else if constexpr (ARegs) {
     rt_bf<16, K> a;
@@ -96,14 +110,14 @@ __global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typena
   warpgroup::store(g.d, d, {});
 }
 
-template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM = false>
+template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM = false, bool Leading = false>
 cudaError_t run_mma(const void* a, const void* b, void* d) {
-  using P = mma_case<N, K, ARegs, BIsNK, AIsKM>;
+  using P = mma_case<N, K, ARegs, BIsNK, AIsKM, Leading>;
   typename P::globals g{.a = {(bf16*)a, {1, 1, AIsKM ? K : 64, AIsKM ? 64 : K}},
                         .b = {(bf16*)b, {1, 1, BIsNK ? N : K, BIsNK ? K : N}},
                         .d = {(float*)d, {1, 1, 64, N}}};
   const int smem = sizeof(typename P::smem_t) + 1024;
-  auto* fn = &mma_kernel<N, K, ARegs, BIsNK, AIsKM>;
+  auto* fn = &mma_kernel<N, K, ARegs, BIsNK, AIsKM, Leading>;
   cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   fn<<<1, 128, smem>>>(g);
   cudaError_t e = cudaGetLastError();
@@ -208,7 +222,7 @@ int tk_prim_roundtrip(int variant, const void* in, void* out, int rows, int cols
   }
 }
 
-// variant bits: 0 = A in registers, 1 = B given as N x K
+// variant bits: 0 = A in registers, 1 = B given as N x K; 4: A given as K x 64 (transposed); 5: leading columns
 int tk_prim_mma(int n, int variant, const void* a, const void* b, void* d) {
 #define TK_CASE(N)                                                       \
   if (n == N) switch (variant) {                                         \
@@ -217,6 +231,7 @@ int tk_prim_mma(int n, int variant, const void* a, const void* b, void* d) {
       case 2: return run_mma<N, 64, false, true>(a, b, d);               \
       case 3: return run_mma<N, 64, true, true>(a, b, d);                \
       case 4: return run_mma<N, 64, false, false, true>(a, b, d);        \
+      case 5: return run_mma<N, 64, true, false, false, true>(a, b, d);  \
     }
   TK_CASE(16) TK_CASE(64) TK_CASE(128) TK_CASE(256)
 #undef TK_CASE

@@ -89,6 +89,19 @@ def test_wgmma_transposed_shared_a(prims, n):
     assert err < 1e-5, f"wgmma A^T (shared, K x 64) N={n}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("n", [16, 64, 128, 256])
+def test_wgmma_leading_columns(prims, n):
+    """mma_AB_leading: a register A's first 32 columns (written by copy_leading; the rest NaN) times B's first 32
+    rows, as D=64 prefill's half tiles multiply."""
+    a = torch.randn(64, 64, device="cuda").bfloat16()
+    b = torch.randn(64, n, device="cuda").bfloat16()
+    d = torch.full((64, n), float("nan"), device="cuda")
+    assert prims.tk_prim_mma(n, 5, _ptr(a), _ptr(b), _ptr(d)) == 0
+    ref = a[:, :32].double() @ b[:32].double()
+    err = ((d.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, f"wgmma leading 32 of 64 columns N={n}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("col_layout", [False, True])
 def test_maps_reductions_masks(prims, col_layout):
     x = torch.randn(32, 64, device="cuda")
