@@ -23,6 +23,18 @@ FAMILIES = {
 }
 
 
+def draw_picture(results: pathlib.Path) -> None:
+    """results' picture beside it (h200.json -> h200.png), where matplotlib is installed (the GPU host may lack it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"not drawn: {results.with_suffix('.png')} (matplotlib is not installed)")
+        return
+    from plot_results import plot
+
+    print(f"drew {plot(results, results.with_suffix('.png'))}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="repeatable; default: all")
@@ -44,6 +56,7 @@ def main() -> int:
     elif not args.quick:
         merge_results(args.out, rows)
         print(f"wrote {args.out}")
+        draw_picture(args.out)
     print_table(rows)
     return 0
 
