@@ -1,11 +1,11 @@
 """A/B of kernel variants in one GPU call: the tree as it is (base) against copies with patches applied.
 
-    python3 scripts/ab.py --family attn_decode [--family ...] [--test tests/gpu/test_decode.py] ab/decode-pdl.patch ...
-    python3 scripts/ab.py ab/decode-pdl.patch=attn_decode ab/based-step-pipelined.patch=based \
-        --test-for decode-pdl=tests/gpu/test_decode.py --test-for based-step-pipelined=tests/gpu/test_based.py
+    python3 scripts/ab.py --family attn_decode [--family ...] [--test tests/gpu/test_decode.py] ab/NAME.patch ...
+    python3 scripts/ab.py --rounds 2 ab/NAME.patch=attn_decode ab/OTHER.patch=based \
+        --test-for NAME=tests/gpu/test_decode.py --test-for OTHER=tests/gpu/test_based.py
 
-Make a patch here with e.g. `git diff main wip/decode-pdl > ab/decode-pdl.patch` (ab/ is not ignored, so it
-travels with the device call). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
+Make a patch with `git diff main...BRANCH > ab/NAME.patch` (ab/ is not ignored, so it travels with the device
+call; ab/README.md has the rules). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
 to the base (the CPU cores split between the builds); then each variant's --test files run, and each family's
 bench runs once per tree, in turn (base, variants, then base again, so that drift shows; --rounds N repeats
 variants and base N times and reports medians). PATCH=fam1,fam2 times that variant on those families
@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=int, default=120,
                         help="seconds a variant's test file may run: past it (a kernel that hangs, e.g. on a "
                              "semaphore) the variant counts as failed and the others go on, within the call's limit "
-                             "(test_attention / test_decode take ~10 s; session 28 lost 480 s to two hung variants)")
+                             "(test_attention / test_decode take ~10 s; a hung variant would otherwise spend the whole call)")
     parser.add_argument("--root", type=Path, default=Path("/tmp/ab"))
     parser.add_argument("--rounds", type=int, default=1,
                         help="time base, variants, base ... this many times over (short kernels whose time is "
