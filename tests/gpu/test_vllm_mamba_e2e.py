@@ -14,10 +14,8 @@ for per-chunk states, which TK hands back to Triton). Measured:
 
 Anchor and yardstick: a third worker serves the same model in float32 on vLLM's Triton path (TK declines
 float32, so this is Triton throughout), the accuracy anchor. TK in bfloat16 must agree with the float32
-anchor at least as well as Triton in bfloat16 does, within the noise margins below. (A first version
-compared TK with Triton directly against "Triton batched vs Triton alone"; on the H200 that yardstick was
-0.99 top-1, tighter than any two different bfloat16 implementations agree, and TK vs Triton measured
-0.97: it measured Triton's batch invariance, not accuracy. TK vs Triton is still printed.) Every number is
+anchor at least as well as Triton in bfloat16 does, within the noise margins below (why not TK against
+Triton directly: docs/findings/serving.md#mamba-e2e-yardstick; TK vs Triton is still printed). Every number is
 printed.
 
 The engine runs in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the worker can read
