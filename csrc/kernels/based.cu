@@ -25,7 +25,8 @@ constexpr int CHUNK = 64, DK = 16, FEAT2 = DK * DK, COLS = 32, SLICE = 64;
 
 template <typename T>
 struct based_prefill {
-  static constexpr int consumers = SLICE / COLS, stages = 4, release_lag = 0;
+  static constexpr int consumers = SLICE / COLS, stages = 4;
+  static constexpr lcsf::options pipeline{.release_lag = 0};
   static constexpr int BLOCKS = 5;  // 64-feature blocks: k (x) k in 0..3, then [k; 1; 0] (first, zeroth)
   using qk_tile = st<T, CHUNK, DK>;
   using v_tile = st<T, CHUNK, COLS>;

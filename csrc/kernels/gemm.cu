@@ -19,14 +19,14 @@ constexpr int k_slice = 64;  // BK: the k-extent of one ring stage
 // shared B slice and multicasts it to both, cutting B's L2 traffic in half (measured slower here so far:
 // 0.65-0.82x of cluster 1; kept for the next tuning round, not dispatched).
 // Chained: launched with programmatic dependent launch (see below).
-// Lag: stages a consumer keeps its products in flight before freeing a stage (see lcsf::release_lag).
+// Lag: stages a consumer keeps its products in flight before freeing a stage (lcsf::options::release_lag).
 template <typename T, bool BIsNK, int Stages, int Cluster, int Lag = 1>
 struct gemm_kernel {
-  static constexpr int BM = 128, BN = 256, BK = k_slice, consumers = 2, stages = Stages, cluster = Cluster;
-  static constexpr int release_lag = Lag;
+  static constexpr int BM = 128, BN = 256, BK = k_slice, consumers = 2, stages = Stages;
   // Chained to the stream's previous kernel, and the next may start setting up once this grid's loads are all
   // sent: back-to-back GEMMs overlap one's launch and prologue with the other's last tiles (lcsf.cuh).
-  static constexpr bool chained = true, early_next = true;
+  static constexpr lcsf::options pipeline{
+      .release_lag = Lag, .chain = lcsf::launch_chain::chained_early_next, .cluster = Cluster};
   static constexpr int pieces = BN / 64, batch = Stages >= 4 ? 2 : 4;
   using a_tile = st<T, BM, BK>;
   using b_tile = std::conditional_t<BIsNK, st<T, BN, BK>, st<T, BK, BN>>;

@@ -29,12 +29,13 @@ __device__ __forceinline__ float softplus(float v) {
   return v <= 20.f ? fast_log2(1.f + fast_exp2(v * LOG2E)) * LN2 : v;
 }
 
-// Dynamic: a ragged batch, whose tasks differ in length: CTAs claim them (lcsf's dynamic tasks). A fixed batch
+// Dynamic: a ragged batch, whose tasks differ in length: CTAs claim them (lcsf::task_walk::claimed). A fixed batch
 // keeps the stride order: there the claims only add an atomic round trip per task (measured 7% at n=1024).
 template <typename T, int N, bool Dynamic>
 struct ssd_scan_kernel {
-  static constexpr int L = 64, P = 64, consumers = 2, stages = N == 64 ? 4 : 3, release_lag = 0;
-  static constexpr bool dynamic = Dynamic;
+  static constexpr int L = 64, P = 64, consumers = 2, stages = N == 64 ? 4 : 3;
+  static constexpr lcsf::options pipeline{
+      .release_lag = 0, .walk = Dynamic ? lcsf::task_walk::claimed : lcsf::task_walk::strided};
   using bc_tile = st<T, L, N>;
   using x_tile = st<T, L, P>;
   using y_piece = st<T, 16, P>;      // one warp's rows of a chunk's output, on its way out
@@ -55,7 +56,7 @@ struct ssd_scan_kernel {
     long dt_strides[3], D_strides[2];
     const int* cu_seqlens;
     const int* order;  // varlen: sequences longest first (null: as given)
-    int* task_counter;  // lcsf's dynamic tasks
+    int* task_counter;  // lcsf::task_walk::claimed
     long seqlen;
     int num_seqs, groups, heads_per_group, pblocks, units, pairs;
     bool has_z, has_init, has_final, softplus;

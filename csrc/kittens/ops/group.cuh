@@ -210,8 +210,7 @@ struct group {
     }
   }
   // The same, one element at a time with a full address each: less code than store's paired path, for a store
-  // that runs rarely (prefill's ragged last query tile: beside the paired one, its kernels' registers were
-  // allocated differently and causal cases measured ~2% slower, session 20).
+  // that runs rarely (prefill's ragged last query tile, where the paired path cost the kernels ~2%).
   template <typename GL, register_tile RT>
   __device__ static __forceinline__ void store_each(const GL& dst, const RT& src, coord c, long row_limit = 1L << 62) {
     using F = frag<typename RT::layout>;

@@ -8,7 +8,8 @@
 //
 //   struct my_kernel {
 //     static constexpr int consumers, stages;
-//     struct globals; struct input_block; struct scratch_block; struct consumer_state; struct task_t;
+//     static constexpr lcsf::options pipeline{...};                // optional: see `options` below
+//     struct globals; struct input_block; struct scratch_block; struct consumer_state; struct task_t;  // task_t: int iters
 //     static int task_count(const globals&);                       // tasks in the work list
 //     static task_t task(const globals&, int id, int rank);        // id -> work item (tile order lives here)
 //     static void load(input_block&, const globals&, const task_t&, int iter, semaphore& full);  // 1 thread
@@ -16,62 +17,21 @@
 //                         int consumer);
 //     static void finish(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer);
 //   };
-//   Optional: static int2 task_range(const globals&, int cta, int ctas): this CTA runs tasks [x, y) in order
-//   (a precomputed, balanced split) instead of every ctas-th task from its index, and with it
-//   static int next_task(const globals&, const task_t&, int id): the task after `id` in that range (default
-//   id + 1; a work list with runs of empty slots skips them in one step),
-//   static void compute_first(consumer_state&, input_block&, scratch_block&, const globals&,
-//   const task_t&, int consumer) for a task's first stage (else compute(..., 0, ...)),
-//   static void init_scratch(scratch_block&) (one thread, before the block starts; e.g. semaphores),
-//   static void init_state(consumer_state&, int consumer) (once; finish leaves the state ready for the next task),
-//   static void drain(consumer_state&, scratch_block&, const globals&, const task_t&, int consumer) (after a
-//   task's last compute, while its last stage is still held: for kernels that issue a stage's last product
-//   one step late).
-//   static void load_task_inputs(scratch_block&, const globals&, const task_t&) (the producer's thread, once a task
-//   with stages has sent for its first: inputs a task reads throughout, kept in scratch rather than the ring,
-//   e.g. the attention kernel's queries; the policy hands the buffers back and forth with its own semaphores).
-//   static int own_iters(const globals&, const task_t&, int consumer) and static void sit_out(int consumer): the
-//   consumer computes only the task's first own_iters stages (drain after the last of them) and, for each of the
-//   rest, waits for it, calls sit_out (e.g. to pass a turn barrier on) and frees it; own_iters 0: no compute at all.
-//   static constexpr bool fed_tasks: the producer works each task out and hands it to the consumers through shared
-//   memory (strided or task_range walks; it takes precedence over prefetch_task).
-//   static constexpr bool prefetch_task (strided or task_range walks): each consumer reads task(next id) before it
-//   runs the current one, so that the next task's metadata loads are in flight during this task's work.
-//   task_t has `int iters` (stages it consumes). compute may leave its wgmma groups in flight: the template
-//   retires them one stage late (mma_async_wait<1>) and only then frees the stage.
 //
-// Staggered pairs: a policy may set `static constexpr bool staggered = true` (release lag 1, an even number of
-// stages). A step's input is then two ring slots loaded one after the other, A_j then B_j (t.iters counts
-// slots: twice the steps; load gets the slot's index), and step j uses A_j and the previous step's B_{j-1}
-// (attention: K_j for S_j = Q K_j^T, V_{j-1} for the previous P V). The consumers wait for A_j and B_{j-1}
-// before compute(j) and free both after it, so A_j goes back a step before B_j: the producer refills it
-// while B_j is still held. compute, compute_first and drain get the step index; A_j's slot is even, so B_j
-// is the next one, `(&in)[1]`. drain runs once the last B has arrived.
-//
-// Dynamic tasks: a policy may set `static constexpr bool dynamic = true` (no clusters) and give its globals an
-// `int* task_counter`, zero at launch (the launcher's stream memset). Each CTA then starts on task `cta` and
-// claims the next one (ctas + an atomic count) whenever its producer can start loading it, and hands the id
-// to its consumers through shared memory: CTAs whose tasks finish early take more, so tasks of unequal
-// length (ragged sequences) balance themselves instead of following a fixed stride. (No runtime switch back
-// to the stride order: a null-counter test in the claim loop made ptxas spill ~100 bytes in the three-
-// consumer prefill kernel; a launcher that claims only for some problems instantiates both.)
-//
-// Chained launch: a policy may set `static constexpr bool chained = true`. The kernel is then launched chained to
-// the stream's previous kernel (chain.cuh): its CTAs set up their semaphores while that kernel finishes (a
-// schedule kernel that wrote their task ranges, say) and wait for it before their first global access. They do not
-// call allow_next: a chained kernel after them (a merge of their partials) is then scheduled as they exit, not
-// earlier, when its blocks would all land on the few SMs this grid leaves free and run there crowded (session 13:
-// b1 ctx8192 decode 1.06-1.15x slower with an early allow_next).
-//
-// Overlapped successor: a policy may also set `static constexpr bool early_next = true`. Each CTA's producer then
-// calls allow_next once it has sent for its last task's inputs, so that a chained kernel after this one (the next
-// GEMM of a stream of them) is launched while this one's consumers still multiply and store: its CTAs take the
-// SMs this grid leaves free or frees, set up, and wait there (chain::wait) for this grid to complete. Meant for
-// kernels of one CTA an SM, whose successors cannot crowd in beside them.
-//
-// Clusters: a policy may set `static constexpr int cluster = 2` (or 4). Its CTAs then walk the work list
-// together (task ids count clusters, and K::task maps (id, rank) to each CTA's own work item), and a stage
-// is reloaded only once every CTA of the cluster has freed it, so loads may multicast into all of them.
+// Optional hooks (the template calls them when the kernel has them):
+//   task_range(g, cta, ctas) -> int2         this CTA runs tasks [x, y) in order (a precomputed, balanced split)
+//   next_task(g, t, id) -> int               the task after `id` in that range (a work list that skips empty slots)
+//   compute_first(s, in, scratch, g, t, c)   a task's first stage (else compute(..., 0, ...))
+//   drain(s, scratch, g, t, c)               after a task's last compute, its last stage still held (a kernel
+//                                            that issues a stage's last product one step late)
+//   init_scratch(scratch)                    one thread, before the block starts (e.g. semaphores)
+//   init_state(s, c)                         once a consumer; finish leaves the state ready for the next task
+//   load_task_inputs(scratch, g, t)          the producer, once a task has sent for its first stage: inputs read
+//                                            throughout a task, kept in scratch (the kernel hands them back itself)
+//   own_iters(g, t, c) -> int, sit_out(c)    the consumer computes only the task's first own_iters stages (drain
+//                                            after the last) and sits out the rest: waits for each, sit_out, frees it
+// compute may leave its wgmma groups in flight: the template retires them `release_lag` stages late and only then
+// frees the stage.
 #pragma once
 #include <cuda_runtime.h>
 #include "../core/errors.cuh"
@@ -95,39 +55,60 @@ concept kernel_policy = requires {
 };
 
 template <kernel_policy K> constexpr int threads = (K::consumers + 1) * WARPGROUP_THREADS;
-template <typename K> consteval int cluster_size() {
-  if constexpr (requires { K::cluster; }) return K::cluster;
-  else return 1;
+// How a CTA finds its tasks.
+enum class task_walk {
+  strided,     // every ctas-th task from the CTA's index (or task_range's), each consumer decoding it with task()
+  prefetched,  // strided, and each consumer reads task(next) before it runs the current one, so the next task's
+               // metadata loads are in flight during this one's work
+  fed,         // strided, and the producer decodes each task once and hands it to the consumers through shared
+               // memory (a ring of FEED): no consumer warp waits on the task's metadata loads
+  claimed,     // each CTA starts on task `cta` and claims the next (ctas + an atomic count on globals::task_counter,
+               // zero at launch) whenever its producer can start loading it: tasks of unequal length balance
+               // themselves. No clusters. (No runtime switch back to the stride: a launcher instantiates both.)
+};
+// How a step's inputs sit in the ring.
+enum class ring_layout {
+  single,           // one ring slot a step
+  // Two slots a step, A_j then B_j (t.iters counts slots; load gets the slot's index); step j uses A_j and the
+  // previous step's B_{j-1} (attention: K_j for S_j, V_{j-1} for the previous P V). A_j goes back a step before
+  // B_j, so the producer refills it while B_j is still held. compute, compute_first and drain get the step index;
+  // A_j's slot is even, B_j the next one, `(&in)[1]`; drain runs once the last B has arrived. Release lag 1, an
+  // even number of stages.
+  staggered_pairs,
+};
+// How a launch relates to the stream's kernels before and after it (chain.cuh).
+enum class launch_chain {
+  none,
+  // Launched chained to the previous kernel: the CTAs set up their semaphores while it finishes and wait for it
+  // before their first global access. They do not allow the next kernel early (a merge of their partials would land
+  // crowded on the few SMs this grid leaves free).
+  chained,
+  // chained, and each producer allows the next kernel once it has sent for its last task's inputs, so the next GEMM
+  // of a stream of them sets up while this one's consumers still multiply and store (one CTA an SM).
+  chained_early_next,
+};
+struct options {
+  int release_lag = 1;  // stages a consumer keeps its products in flight before freeing a stage (0: frees at once)
+  ring_layout ring = ring_layout::single;
+  task_walk walk = task_walk::strided;
+  launch_chain chain = launch_chain::none;
+  // CTAs that walk the work list together (task ids count clusters, task(id, rank) maps to each CTA's own item);
+  // a stage is reloaded only once every CTA of the cluster has freed it, so loads may multicast into all of them.
+  int cluster = 1;
+};
+template <typename K> consteval options options_of() {
+  if constexpr (requires { K::pipeline; }) return K::pipeline;
+  else return {};
 }
-// How many stages late a consumer frees a stage: 1 (default) keeps one stage's products in flight while the
-// next is issued; 0 waits for them and frees the stage at once (deeper effective prefetch for the producer).
-template <typename K> consteval int release_lag() {
-  if constexpr (requires { K::release_lag; }) return K::release_lag;
-  else return 1;
-}
-template <typename K> consteval bool staggered_pairs() {
-  if constexpr (requires { K::staggered; }) return K::staggered;
-  else return false;
-}
-template <typename K> consteval bool chained() {
-  if constexpr (requires { K::chained; }) return K::chained;
-  else return false;
-}
-template <typename K> consteval bool early_next() {
-  if constexpr (requires { K::early_next; }) return K::early_next;
-  else return false;
-}
-template <typename K> consteval bool dynamic_tasks() {
-  if constexpr (requires { K::dynamic; }) return K::dynamic;
-  else return false;
-}
-// Fed tasks: the producer works each task out once and hands it to the consumers through shared memory (a ring of
-// FEED), instead of every consumer warp decoding it (and waiting for its loads of the task's metadata) itself.
-template <typename K> consteval bool fed_tasks() {
-  if constexpr (requires { K::fed_tasks; }) return K::fed_tasks;
-  else return false;
-}
-inline constexpr int FEED = 8;
+template <typename K> consteval int cluster_size() { return options_of<K>().cluster; }
+template <typename K> consteval int release_lag() { return options_of<K>().release_lag; }
+template <typename K> consteval bool staggered_pairs() { return options_of<K>().ring == ring_layout::staggered_pairs; }
+template <typename K> consteval bool chained() { return options_of<K>().chain != launch_chain::none; }
+template <typename K> consteval bool early_next() { return options_of<K>().chain == launch_chain::chained_early_next; }
+template <typename K> consteval bool dynamic_tasks() { return options_of<K>().walk == task_walk::claimed; }
+template <typename K> consteval bool fed_tasks() { return options_of<K>().walk == task_walk::fed; }
+template <typename K> consteval bool prefetch_tasks() { return options_of<K>().walk == task_walk::prefetched; }
+inline constexpr int FEED = 8;  // fed tasks in flight
 // A warp's copy of a shared-memory object as lane 0 reads it, in registers the compiler knows are warp-uniform.
 template <typename T> __device__ __forceinline__ T warp_uniform_copy(const T& src) {
   static_assert(std::is_trivially_copyable_v<T> && sizeof(T) % 4 == 0);
@@ -138,10 +119,6 @@ template <typename T> __device__ __forceinline__ T warp_uniform_copy(const T& sr
   T out;
   memcpy(&out, w, sizeof(T));
   return out;
-}
-template <typename K> consteval bool prefetch_tasks() {
-  if constexpr (requires { K::prefetch_task; }) return K::prefetch_task;
-  else return false;
 }
 // The task after `id` in a CTA's walk: K::next_task where the policy has one (its work list skips), else id + step.
 template <typename K>
@@ -170,7 +147,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   const uint32_t misalign = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u;
   auto& smem = *reinterpret_cast<shared_layout<K>*>(smem_raw + ((1024u - misalign) & 1023u));
   __shared__ semaphore full[K::stages], empty[K::stages];
-  // Dynamic tasks: the producer's claimed ids on their way to the consumers (a ring of 2).
+  // Claimed tasks: the producer's claimed ids on their way to the consumers (a ring of 2).
   __shared__ int feed_id[2];
   __shared__ semaphore feed_full[2], feed_empty[2];
   // Fed tasks: the tasks on their way to the consumers.
@@ -365,8 +342,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         wait(task_full[fslot], fphase);
         const typename K::task_t t = warp_uniform_copy(feed_task[fslot]);
         // Every lane read the slot: __syncwarp orders those reads before lane 0's arrive hands it back (the shuffle
-        // orders no memory). racecheck reports a hazard here with it or without, and as well on the same hand-off in a
-        // minimal kernel (test_mbarrier_handoff, session 33): the tool does not follow the mbarriers' ordering.
+        // orders no memory). racecheck reports a hazard here, as on the same hand-off in a minimal kernel
+        // (test_primitives' test_mbarrier_handoff): the tool does not follow the mbarriers' ordering.
         __syncwarp();
         if (laneid() == 0) arrive(task_empty[fslot]);
         if (++fslot == FEED) fslot = 0, fphase ^= 1;

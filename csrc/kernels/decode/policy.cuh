@@ -1,0 +1,37 @@
+// Decode's kernel variants in one table: per head dim (and, at D=128, per K/V tile), the tile and ring each runs.
+// Why: docs/findings/decode.md.
+#pragma once
+#include "../attention.h"
+
+namespace tk::decode {
+
+struct policy {
+  int head_dim;
+  int kv_rows;  // keys a K/V tile
+  int stages;   // K/V ring slots
+};
+inline constexpr policy d64{.head_dim = 64, .kv_rows = 128, .stages = 6};
+inline constexpr policy d128{.head_dim = 128, .kv_rows = 128, .stages = 3};
+// 64-key tiles in 6 stages hold the ring bytes of 128 x 3 but free a stage twice as often: short items and balanced
+// pieces stream faster, long ones slower (decode_plan.kv_tile picks: attn_decode_problem::kv_tile).
+inline constexpr policy d128_kv64{.head_dim = 128, .kv_rows = 64, .stages = 6};
+inline constexpr policy d256{.head_dim = 256, .kv_rows = 48, .stages = 3};
+
+// Where a CTA's range of the static schedule comes from. A kernel that can work it out carries the scheduling code,
+// whose presence alone slowed the other modes, so each mode has its own kernel.
+enum class schedule_source {
+  reads,  // direct mode (a CTA a slot), balanced mode (build_balanced's), or an earlier layer's of the step
+  self,   // each CTA works out its own range from cache_seqlens (self_schedule)
+};
+
+enum class variant { d64, d128, d128_kv64, d256 };
+
+inline variant select_variant(const attn_decode_problem& p) {
+  switch (p.head_dim) {
+    case 64: return variant::d64;
+    case 128: return p.kv_tile == 64 ? variant::d128_kv64 : variant::d128;
+    default: return variant::d256;
+  }
+}
+
+}  // namespace tk::decode

@@ -1,0 +1,155 @@
+// Prefill's kernel variants in one table: per head dim x mask x length class, every choice the kernel makes at
+// compile time, by name. `select_variant` picks a launch's row; `policy_of` gives its policy. Why each choice is
+// what it is: docs/findings/prefill.md (one entry per idea, by the names used here).
+#pragma once
+#include "../../kittens/kittens.cuh"
+#include "../attention.h"
+
+namespace tk::prefill {
+
+using kittens::lcsf::task_walk;
+
+// How a consumer runs a K/V tile.
+enum class tile_order {
+  // S_j = Q K_j^T and the previous tile's P V are issued together, and S_j's softmax overlaps that P V.
+  overlapped,
+  // S_j, its softmax and its P V in turn; the other consumers' products keep the tensor cores busy meanwhile
+  // (three consumers at D=128 have 160 registers a thread: too few to hold S_j beside P_{j-1}).
+  serial,
+};
+// How a K/V tile sits in the input ring.
+enum class kv_ring {
+  paired,     // K_j and V_j in one slot, freed together
+  staggered,  // K_j and V_j in slots of their own (lcsf's staggered pairs): K_j goes back once S_j has run
+};
+// The order of a CTA's strided tasks (within L2 groups of heads, latest query block first).
+enum class task_order {
+  grouped,  // the stride as it falls
+  // Under a causal mask odd waves run reversed (zigzag), so a CTA's long and short tasks alternate; without a mask
+  // each full wave turns by heads_per_group places, so the ragged first blocks spread over the CTAs.
+  turned_waves,
+};
+// A task's first tile's softmax.
+enum class first_tile {
+  exact,   // the exact step
+  fresh,   // the exact step without the old max's rescale (no row has seen a key)
+  seeded,  // the fast step against a guess at each row's max (its first 16 columns'); exact where that fails
+};
+
+struct policy {
+  int head_dim;
+  int consumers;  // warpgroups of 64 query rows: 192- or 128-row query blocks
+  int kv_rows;    // keys a K/V tile
+  int stages;     // K/V ring slots
+  tile_order order;
+  task_walk walk;
+  kv_ring ring;
+  task_order tasks;
+  // The producer loads each consumer's queries for the next task once the consumer has run its last S of this one
+  // (into buffers of their own; the output gets its own staging buffer). Otherwise a consumer loads its queries as
+  // it starts a task and stages the output in their buffer.
+  bool queries_ahead;
+  bool warp_epilogue;    // each warp stores its own 16 output rows and frees its part of the queries
+  bool mask_once;        // which tiles need the mask is worked out once a task, not tested a tile
+  bool skip_hidden;      // a warp skips the softmax of a tile that hides every key from its rows
+  bool trims;            // a consumer computes only the tiles up to the last its rows see and sits the rest out
+  bool half_last;        // a consumer's last tile runs on its first kv_rows / 2 keys where its rows see no more
+  bool softcap;          // the softcap's code is compiled in (else launches have softcap 0)
+  bool page_divisor;     // paged loads divide by the page size with a kittens::divisor, not `/`
+  bool lazy_rescale;     // the running max moves only past tk::attn::RESCALE_THRESHOLD
+  bool fast_softmax;     // a task's later tiles take the fast softmax step
+  bool fast_needs_seen;  // online_softmax's fast_needs_seen (the serial kernel's registers do without it)
+  first_tile first;
+};
+
+// ---- the table
+
+// D=64: three overlapped consumers, the producer feeds each task, queries ahead, trims, half last tiles.
+inline constexpr policy d64{
+    .head_dim = 64, .consumers = 3, .kv_rows = 128, .stages = 4, .order = tile_order::overlapped,
+    .walk = task_walk::fed, .ring = kv_ring::paired, .tasks = task_order::turned_waves, .queries_ahead = true,
+    .warp_epilogue = true, .mask_once = true, .skip_hidden = true, .trims = true, .half_last = true,
+    .softcap = false, .page_divisor = false, .lazy_rescale = true, .fast_softmax = true, .fast_needs_seen = true,
+    .first = first_tile::seeded};
+// D=64 with a softcap: beside the softcap's code the seeded first tile spilled, so the fresh exact one.
+inline constexpr policy d64_softcap = [] {
+  policy p = d64;
+  p.softcap = true;
+  p.half_last = false;
+  p.first = first_tile::fresh;
+  return p;
+}();
+// D=128 over <= 1024 keys: two overlapped consumers on a staggered ring (FA3's hdim-128 layout), queries ahead.
+inline constexpr policy d128_short{
+    .head_dim = 128, .consumers = 2, .kv_rows = 128, .stages = 4, .order = tile_order::overlapped,
+    .walk = task_walk::prefetched, .ring = kv_ring::staggered, .tasks = task_order::grouped, .queries_ahead = true,
+    .warp_epilogue = false, .mask_once = true, .skip_hidden = false, .trims = false, .half_last = false,
+    .softcap = true, .page_divisor = true, .lazy_rescale = true, .fast_softmax = true, .fast_needs_seen = true,
+    .first = first_tile::exact};
+// D=128 over > 1024 keys, full mask: three serial consumers (ThunderKittens' H100 forward), the exact softmax.
+inline constexpr policy d128_long{
+    .head_dim = 128, .consumers = 3, .kv_rows = 128, .stages = 2, .order = tile_order::serial,
+    .walk = task_walk::prefetched, .ring = kv_ring::paired, .tasks = task_order::grouped, .queries_ahead = false,
+    .warp_epilogue = false, .mask_once = false, .skip_hidden = false, .trims = false, .half_last = false,
+    .softcap = true, .page_divisor = true, .lazy_rescale = true, .fast_softmax = false, .fast_needs_seen = false,
+    .first = first_tile::exact};
+// ... causal (paged K/V): the fast softmax pays under causal masks only.
+inline constexpr policy d128_long_causal = [] {
+  policy p = d128_long;
+  p.fast_softmax = true;
+  return p;
+}();
+// ... causal over dense K/V: claimed tasks; eager rescaling (the lazy branch spilled at 160 registers).
+inline constexpr policy d128_long_causal_claimed = [] {
+  policy p = d128_long_causal;
+  p.walk = task_walk::claimed;
+  p.lazy_rescale = false;
+  return p;
+}();
+// D=256, full mask: two overlapped consumers on a staggered ring of 80-key tiles, the exact softmax.
+inline constexpr policy d256{
+    .head_dim = 256, .consumers = 2, .kv_rows = 80, .stages = 4, .order = tile_order::overlapped,
+    .walk = task_walk::strided, .ring = kv_ring::staggered, .tasks = task_order::grouped, .queries_ahead = false,
+    .warp_epilogue = false, .mask_once = false, .skip_hidden = false, .trims = false, .half_last = false,
+    .softcap = true, .page_divisor = false, .lazy_rescale = true, .fast_softmax = false, .fast_needs_seen = true,
+    .first = first_tile::exact};
+// D=256, causal: claimed tasks.
+inline constexpr policy d256_causal = [] {
+  policy p = d256;
+  p.walk = task_walk::claimed;
+  return p;
+}();
+
+// ---- selection
+
+enum class variant { d64, d64_softcap, d128_short, d128_long, d128_long_causal, d128_long_causal_claimed, d256,
+                     d256_causal };
+
+// D=128 switches from two overlapped consumers to three serial ones past this many keys.
+inline constexpr int D128_SHORT_KEYS = 1024;
+
+inline variant select_variant(const attn_varlen_problem& p) {
+  switch (p.head_dim) {
+    case 64: return p.softcap > 0.f ? variant::d64_softcap : variant::d64;
+    case 128:
+      if (p.max_seqlen_k <= D128_SHORT_KEYS) return variant::d128_short;
+      if (!p.causal) return variant::d128_long;
+      return p.block_table != nullptr ? variant::d128_long_causal : variant::d128_long_causal_claimed;
+    default: return p.causal ? variant::d256_causal : variant::d256;
+  }
+}
+
+constexpr policy policy_of(variant v) {
+  switch (v) {
+    case variant::d64: return d64;
+    case variant::d64_softcap: return d64_softcap;
+    case variant::d128_short: return d128_short;
+    case variant::d128_long: return d128_long;
+    case variant::d128_long_causal: return d128_long_causal;
+    case variant::d128_long_causal_claimed: return d128_long_causal_claimed;
+    case variant::d256: return d256;
+    default: return d256_causal;
+  }
+}
+
+}  // namespace tk::prefill
