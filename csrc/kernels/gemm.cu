@@ -16,8 +16,8 @@ constexpr int k_slice = 64;  // BK: the k-extent of one ring stage
 // Stages: depth of the input ring. The epilogue uses what the ring leaves of shared memory: with 4 stages
 // each warpgroup stages two 64 x 64 blocks at a time, with 3 its whole 64 x 256 at once.
 // Cluster 2: two CTAs own vertically adjacent tiles of the same column block; each loads half of the
-// shared B slice and multicasts it to both, cutting B's L2 traffic in half (measured slower here so far:
-// 0.65-0.82x of cluster 1; kept for the next tuning round, not dispatched).
+// shared B slice and multicasts it to both, cutting B's L2 traffic in half (slower here so far, not dispatched:
+// docs/findings/gemm.md#gemm-cluster2).
 // Chained: launched with programmatic dependent launch (see below).
 // Lag: stages a consumer keeps its products in flight before freeing a stage (lcsf::options::release_lag).
 template <typename T, bool BIsNK, int Stages, int Cluster, int Lag = 1>
@@ -120,11 +120,10 @@ int env_int(const char* name, int fallback) {
 // TK_GEMM_GROUP_ROWS override it for sweeps):
 // - short K (a tile's k-slices all fit in a 4-stage ring): 4 stages, so the producer loads the next tile whole
 //   during the epilogue, and tiles in row-major order: A and B sit in L2 in any order and the output is nearly
-//   all the traffic, so each round of tiles writes whole row panels of it (4096 x 4096 x 64: 1.21-1.22x cuBLAS
-//   against 1.13-1.17x in 16-row groups).
+//   all the traffic, so each round of tiles writes whole row panels of it.
 // - longer K: 3 stages, whose shared memory leaves each warpgroup room to stage its whole 64 x 256 output at once
-//   (one store wait a tile, not two), in 16-row groups for A and B's reuse in L2 (squares 1.00-1.02x cuBLAS,
-//   K=1024 1.03x against 4 stages).
+//   (one store wait a tile, not two), in 16-row groups for A and B's reuse in L2.
+// docs/findings/gemm.md#gemm-plan has the measurements.
 struct launch_plan {
   int stages, lag, group_rows;
 };

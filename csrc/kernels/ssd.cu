@@ -30,7 +30,7 @@ __device__ __forceinline__ float softplus(float v) {
 }
 
 // Dynamic: a ragged batch, whose tasks differ in length: CTAs claim them (lcsf::task_walk::claimed). A fixed batch
-// keeps the stride order: there the claims only add an atomic round trip per task (measured 7% at n=1024).
+// keeps the stride order: there the claims only add an atomic round trip per task (docs/findings/ssd.md#ssd-dynamic).
 template <typename T, int N, bool Dynamic>
 struct ssd_scan_kernel {
   static constexpr int L = 64, P = 64, consumers = 2, stages = N == 64 ? 4 : 3;

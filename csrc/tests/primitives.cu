@@ -168,7 +168,7 @@ __global__ void maps_kernel(const __grid_constant__ fp32_view in, const __grid_c
 // One producer thread writes a 12-word record into a ring of two slots and arrives on its `full` semaphore; each of
 // four consumer warps waits, copies the record (every lane reads it: lcsf::warp_uniform_copy), __syncwarp, and its
 // lane 0 arrives on the slot's `empty`, which the producer waits on before it rewrites the slot. The sums show
-// every record arrived whole. racecheck reports read / write hazards on it (3,984 on the H200, session 33), as on
+// every record arrived whole. racecheck reports read / write hazards on it (thousands on the H200), as on
 // the fed-task ring of the D=64 prefill kernel: the tool does not follow this ordering.
 struct handoff_record { int w[12]; };
 __global__ void __launch_bounds__(160) handoff_kernel(int rounds, int* out) {

@@ -50,7 +50,7 @@ LOCAL_MEMORY = re.compile(OP + r"(STL|LDL)")
 
 
 def test_tensor_core_kernels_neither_spill_nor_serialize_their_products(kernels):
-    """ptxas's allocation is fragile in the wgmma kernels (ab/README: two more live registers, or a branch around a
+    """ptxas's allocation is fragile in the wgmma kernels (docs/findings/prefill.md#colblocks: two more live registers, or a branch around a
     product, and the D=64 prefill consumers spill or serialize). Every kernel that issues wgmma keeps its values in
     registers (no local-memory STL / LDL) and chains a product's k-steps under one WARPGROUP.ARRIVE: a serialized
     pipeline (ptxas C7515) fences every HGMMA with its own."""

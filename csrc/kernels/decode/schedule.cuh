@@ -211,7 +211,7 @@ __device__ long long scan_in_tiles(int n, Value value, Use use) {
 // over the sequences finds the one whose units hold each T; then one thread a target finds its kv head by a
 // division and its item by one more (a segment's items but its last are whole chunks). That arithmetic stays out
 // of the scan's per-thread callback, where it made ptxas build the consumers' wgmma descriptors in ordinary
-// registers (docs/findings/decode.md#self-schedule).
+// registers (docs/findings/decode.md#decode-self-schedule).
 // The CTA writes cta_start[c] (the last one cta_start[ctas] too), the work items of its range, which its producer
 // reads next, and the slots past the last with work in its 1/ctas stripe of the list: the workspace ends up as
 // build_work_list's, for the merge and for later calls that reuse the schedule.

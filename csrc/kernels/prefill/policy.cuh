@@ -1,6 +1,6 @@
 // Prefill's kernel variants in one table: per head dim x mask x length class, every choice the kernel makes at
 // compile time, by name. `select_variant` picks a launch's row; `policy_of` gives its policy. Why each choice is
-// what it is: docs/findings/prefill.md (one entry per idea, by the names used here).
+// what it is: docs/findings/prefill.md (the #anchors below are its entries).
 #pragma once
 #include "../../kittens/kittens.cuh"
 #include "../attention.h"
@@ -47,17 +47,17 @@ struct policy {
   task_order tasks;
   // The producer loads each consumer's queries for the next task once the consumer has run its last S of this one
   // (into buffers of their own; the output gets its own staging buffer). Otherwise a consumer loads its queries as
-  // it starts a task and stages the output in their buffer.
+  // it starts a task and stages the output in their buffer. (#prefill-q-ahead64)
   bool queries_ahead;
-  bool warp_epilogue;    // each warp stores its own 16 output rows and frees its part of the queries
-  bool mask_once;        // which tiles need the mask is worked out once a task, not tested a tile
-  bool skip_hidden;      // a warp skips the softmax of a tile that hides every key from its rows
-  bool trims;            // a consumer computes only the tiles up to the last its rows see and sits the rest out
-  bool half_last;        // a consumer's last tile runs on its first kv_rows / 2 keys where its rows see no more
+  bool warp_epilogue;    // each warp stores its own 16 output rows and frees its part of the queries (#warp-epi)
+  bool mask_once;        // which tiles need the mask is worked out once a task, not tested a tile (#prefill-mask-once)
+  bool skip_hidden;      // a warp skips the softmax of a tile that hides every key from its rows (#prefill-hidden-skip)
+  bool trims;            // a consumer computes only the tiles up to the last its rows see (#d64-trims)
+  bool half_last;        // a consumer's last tile on its first kv_rows / 2 keys where its rows see no more (#half-last)
   bool softcap;          // the softcap's code is compiled in (else launches have softcap 0)
-  bool page_divisor;     // paged loads divide by the page size with a kittens::divisor, not `/`
-  bool lazy_rescale;     // the running max moves only past tk::attn::RESCALE_THRESHOLD
-  bool fast_softmax;     // a task's later tiles take the fast softmax step
+  bool page_divisor;     // paged loads divide by the page size with a kittens::divisor (#prefill-paged-div128)
+  bool lazy_rescale;     // the running max moves only past tk::attn::RESCALE_THRESHOLD (#prefill-lazy-rescale)
+  bool fast_softmax;     // a task's later tiles take the fast softmax step (#prefill-softmax-fast)
   bool fast_needs_seen;  // online_softmax's fast_needs_seen (the serial kernel's registers do without it)
   first_tile first;
 };
@@ -71,7 +71,7 @@ inline constexpr policy d64{
     .warp_epilogue = true, .mask_once = true, .skip_hidden = true, .trims = true, .half_last = true,
     .softcap = false, .page_divisor = false, .lazy_rescale = true, .fast_softmax = true, .fast_needs_seen = true,
     .first = first_tile::seeded};
-// D=64 with a softcap: beside the softcap's code the seeded first tile spilled, so the fresh exact one.
+// D=64 with a softcap: beside the softcap's code the seeded first tile spilled, so the fresh exact one (#seeded-first).
 inline constexpr policy d64_softcap = [] {
   policy p = d64;
   p.softcap = true;
@@ -79,14 +79,16 @@ inline constexpr policy d64_softcap = [] {
   p.first = first_tile::fresh;
   return p;
 }();
-// D=128 over <= 1024 keys: two overlapped consumers on a staggered ring (FA3's hdim-128 layout), queries ahead.
+// D=128 over <= 1024 keys: two overlapped consumers on a staggered ring (FA3's hdim-128 layout), queries ahead
+// (#prefill-c2-stagger-ahead).
 inline constexpr policy d128_short{
     .head_dim = 128, .consumers = 2, .kv_rows = 128, .stages = 4, .order = tile_order::overlapped,
     .walk = task_walk::prefetched, .ring = kv_ring::staggered, .tasks = task_order::grouped, .queries_ahead = true,
     .warp_epilogue = false, .mask_once = true, .skip_hidden = false, .trims = false, .half_last = false,
     .softcap = true, .page_divisor = true, .lazy_rescale = true, .fast_softmax = true, .fast_needs_seen = true,
     .first = first_tile::exact};
-// D=128 over > 1024 keys, full mask: three serial consumers (ThunderKittens' H100 forward), the exact softmax.
+// D=128 over > 1024 keys, full mask: three serial consumers (ThunderKittens' H100 forward), the exact softmax
+// (#prefill-three, #prefill-serial-fast).
 inline constexpr policy d128_long{
     .head_dim = 128, .consumers = 3, .kv_rows = 128, .stages = 2, .order = tile_order::serial,
     .walk = task_walk::prefetched, .ring = kv_ring::paired, .tasks = task_order::grouped, .queries_ahead = false,
@@ -99,7 +101,8 @@ inline constexpr policy d128_long_causal = [] {
   p.fast_softmax = true;
   return p;
 }();
-// ... causal over dense K/V: claimed tasks; eager rescaling (the lazy branch spilled at 160 registers).
+// ... causal over dense K/V: claimed tasks (#prefill-causal-claims); eager rescaling (the lazy branch spilled at
+// 160 registers).
 inline constexpr policy d128_long_causal_claimed = [] {
   policy p = d128_long_causal;
   p.walk = task_walk::claimed;
