@@ -61,12 +61,23 @@ def _extension():
     ]
     if os.environ.get("TK_PTXAS_VERBOSE"):
         nvcc_flags.append("-Xptxas=-v")
+    ninja_build = cpp_extension.BuildExtension.with_options(use_ninja=True)
+
+    class BuildExtension(ninja_build):
+        """Objects always in build/temp.<platform>-<python> (pip's editable builds would use a throwaway directory),
+        so ninja recompiles only what changed: a wheel built after `pip install -e .` only links."""
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            plat = self.get_finalized_command("build").plat_name
+            self.build_temp = os.path.join(HERE, "build", f"temp.{plat}-{sys.implementation.cache_tag}")
+
     return cpp_extension.CUDAExtension(
         name="tk_backend._C",
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": ["-std=c++20", "-O3", "-DNDEBUG"], "nvcc": nvcc_flags},
-    ), cpp_extension.BuildExtension.with_options(use_ninja=True)
+    ), BuildExtension
 
 
 _ext, _build = _extension()

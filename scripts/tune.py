@@ -1,6 +1,6 @@
-"""Tune the split-KV decode plans on the GPU and write them to configs/<gpu>.json (the `decode` buckets).
+"""Tune the split-KV decode plans on the GPU and write them to tk_backend/configs/<gpu>.json (the `decode` buckets).
 
-    python scripts/tune.py [--out configs/h200.json] [--quick]
+    python scripts/tune.py [--out tk_backend/configs/h200.json] [--quick]
 
 For each bucket of batch shapes (batch x max context x GQA group, any q_len <= 16, head dim 128) it times
 flash_attn_with_kvcache at the bucket's representative shape for every candidate KV chunk size (forced through
@@ -78,7 +78,7 @@ def tune_bucket(batch: int, ctx: int, group: int) -> tuple[int, dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "configs" / "h200.json")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "tk_backend" / "configs" / "h200.json")
     ap.add_argument("--quick", action="store_true", help="two buckets only (smoke run), nothing written")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

@@ -2,9 +2,9 @@
 
 Two halves, so that decode can be captured in a CUDA graph for a fixed batch size:
 
-* `DecodePlan` (host, static): chosen once per batch *shape* from configs/<gpu>.json or the analytic cost model
-  below; it fixes the KV chunk size (a multiple of the page size), the most chunks a sequence can have, the
-  number of persistent CTAs (the SM count), and so every workspace size.
+* `DecodePlan` (host, static): chosen once per batch *shape* from tk_backend/configs/<gpu>.json or the analytic
+  cost model below; it fixes the KV chunk size (a multiple of the page size), the most chunks a sequence can
+  have, the number of persistent CTAs (the SM count), and so every workspace size.
 * `build_work_list` (device, per step): reads the per-sequence context lengths, which exist only on the
   device, and fills a preallocated `DecodeWorkspace` with torch ops only: no host sync, no data-dependent
   shapes, the same kernels on every replay. The decode kernel (csrc/kernels/decode.cu) computes exactly this,
@@ -56,13 +56,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.resources
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+# The tuned tables ship inside the package (package data), so an installed copy finds its own.
+CONFIG_DIR: Traversable = importlib.resources.files("tk_backend") / "configs"
 
 # Below two 128-key tiles per chunk the kernel's load pipeline never reaches steady state.
 MIN_CHUNK_TOKENS = 256
@@ -228,7 +234,7 @@ def make_plan(
     page_size: int, num_sms: int, window_left: int = -1, num_splits: int = 0, device_name: str | None = None,
 ) -> DecodePlan:
     """The plan for one batch shape. num_splits > 0 forces that many chunks per full-length sequence (like
-    flash-attn's num_splits); otherwise configs/ is consulted for `device_name`, then the analytic model."""
+    flash-attn's num_splits); otherwise CONFIG_DIR's table for `device_name`, then the analytic model."""
     if num_splits > 0:
         chunk, source = _ceil_div(_ceil_div(max(max_context, 1), num_splits), page_size) * page_size, "num_splits"
     else:
@@ -469,9 +475,9 @@ def _int_range(entry: dict, key: str, where: str) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def load_config(path: str | Path) -> tuple[DecodeBucket, ...]:
+def load_config(path: str | Path | Traversable) -> tuple[DecodeBucket, ...]:
     """The decode buckets of a config file, in file order (the first matching bucket wins)."""
-    path = Path(path)
+    path = Path(path) if isinstance(path, str) else path
     data = json.loads(path.read_text())
     buckets = []
     for i, entry in enumerate(data.get("decode", {}).get("buckets", [])):
@@ -495,10 +501,10 @@ def load_config(path: str | Path) -> tuple[DecodeBucket, ...]:
 
 @functools.lru_cache(maxsize=None)
 def device_config(device_name: str | None) -> tuple[DecodeBucket, ...]:
-    """The buckets of the configs/*.json whose "device" equals device_name; none if there is no such file."""
+    """The buckets of the CONFIG_DIR/*.json whose "device" equals device_name; none if there is no such file."""
     if device_name is None or not CONFIG_DIR.is_dir():
         return ()
-    for path in sorted(CONFIG_DIR.glob("*.json")):
+    for path in sorted((p for p in CONFIG_DIR.iterdir() if p.name.endswith(".json")), key=lambda p: p.name):
         if json.loads(path.read_text()).get("device") == device_name:
             return load_config(path)
     return ()
