@@ -1,9 +1,9 @@
 """Balanced split-KV decode: the schedule of csrc/kernels/decode.cu's balanced mode, in Python (its reference).
 
 The static schedule of decode_plan gives each CTA whole items, so a CTA can end up with one item more than its
-share: with ragged contexts the busiest CTA carries 1.1-1.5x the mean (ab/README, "Lead: balanced decode
-schedule"), and under a wide block table the plan's chunk leaves most SMs idle. Here the work is split by exact
-shares instead, independent of the block table's width:
+share (with ragged contexts, docs/findings/decode.md#decode-balanced2), and under a wide block table the plan's
+chunk leaves most SMs idle. Here the work is split by exact shares instead, independent of the block table's
+width:
 
 Stream
     Segments (b, h) in order b-major, h-minor; segment (b, h) holds the visible keys [lo_b, L_b) of sequence b

@@ -16,20 +16,20 @@ Work decomposition
     keys [lo_b, L_b) of sequence b, where L_b = cache_seqlens[b] and lo_b = max(0, L_b - q_len - window_left)
     with a left window (keys before it are invisible to every query), else 0.
     Chunks are aligned in absolute key positions: chunk c covers [c * C, (c + 1) * C) with C = the step's chunk, so
-    a chunk never starts mid-page (C is the step's chunk: see Coarsening). The s-th chunk of segment (b, h) that intersects [lo_b, L_b) is work item
-    slot ((b * Hkv) + h) * max_splits + s; slots past a segment's chunk count are empty (start == end == 0).
+    a chunk never starts mid-page (C is the step's chunk: see Coarsening). The s-th chunk of segment (b, h) that
+    intersects [lo_b, L_b) is work item slot ((b * Hkv) + h) * max_splits + s; slots past a segment's chunk count
+    are empty (start == end == 0).
     work_items[slot] = (b, h, start, end), the key range of that item.
 
 Coarsening (per step, on the device)
     The plan's chunk suits the batch shape's worst case: one long sequence among short ones, which must still
     spread over the SMs. When the step's sequences are long enough to fill the SMs with larger chunks, fewer
-    items pay less fixed cost (a measured ~3.5 us each on the H200: 8 x 8k-token sequences ran 11% faster in
-    4096-token chunks than in 1024-token ones). So a step may double the chunk up to `coarsen_levels` times: C_j =
-    chunk_tokens << j, and with cost_j the total cost of the step's items at C_j (below), it takes the j that
-    minimises rounds_j * (C_j + overhead), rounds_j = ceil(cost_j / (num_ctas * (C_j + overhead))) (the rounds
-    of full-size items the SMs need), the largest j on ties. C_j is a multiple of C, so a segment has no more
-    chunks at C_j than at C and the plan's slots still hold them. The plan allows coarsening only when the
-    schedule runs (more slots than CTAs) and num_splits was not forced.
+    items pay less fixed cost (docs/findings/decode.md#decode-coarsen). So a step may double the chunk up to
+    `coarsen_levels` times: C_j = chunk_tokens << j, and with cost_j the total cost of the step's items at C_j
+    (below), it takes the j that minimises rounds_j * (C_j + overhead), rounds_j = ceil(cost_j / (num_ctas *
+    (C_j + overhead))) (the rounds of full-size items the SMs need), the largest j on ties. C_j is a multiple of
+    C, so a segment has no more chunks at C_j than at C and the plan's slots still hold them. The plan allows
+    coarsening only when the schedule runs (more slots than CTAs) and num_splits was not forced.
 
 CTA assignment (persistent grid of num_ctas CTAs)
     An item costs its key count plus a fixed overhead (`item_overhead_tokens`); empty items cost 0. With
@@ -321,11 +321,8 @@ def full_length_step_chunk(plan: DecodePlan) -> int:
     return chosen
 
 
-# Keys a K/V tile in the D=128 decode kernel (decode.cu, attn_decode_split's Tile). 64-key tiles (6 stages) stream
-# short work faster, 128-key tiles (3 stages) long work: same-call A/B on the H200 (session 14), 64 over 128:
-# balanced mode 0.90-0.96 (1k contexts under a 128k table, one 131k sequence); a full-length step chunk of
-# 1024-4096 keys 0.95-0.99 (b8 8k, b64 / b256 1k, b1 32k, the serve layout); 512-key chunks (b1 8k, b8 1k)
-# 1.01-1.02 and 8k+ (b64 8k, b256 8k / 32k, b8 32k) 1.01-1.05.
+# Keys a K/V tile in the D=128 decode kernel (csrc/kernels/decode/): 64-key tiles (6 stages) stream short work
+# faster, 128-key tiles (3 stages) long work (docs/findings/decode.md#decode-kv-gate).
 KV64_STEP_CHUNKS = (1024, 4096)
 
 
