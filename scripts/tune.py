@@ -24,8 +24,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from benchlib import ROOT, commit_of_tree, time_per_call  # noqa: E402
 
-import tk_backend  # noqa: E402
-from tk_backend import decode_plan  # noqa: E402
+from tk_backend import attention, decode_plan  # noqa: E402
 
 PAGE, D, HKV = 16, 128, 8
 # (low, high, representative) per dimension; every combination is one bucket.
@@ -53,21 +52,24 @@ def tune_bucket(batch: int, ctx: int, group: int) -> tuple[int, dict]:
     skew = torch.full((batch,), max(ctx // 64, 1), dtype=torch.int32, device="cuda")
     skew[0] = ctx
 
-    num_sms, name = tk_backend.attention._device_info(q.device)
+    num_sms, name = attention._device_info(q.device)
+    workspaces = attention.DecodeWorkspacePool()  # the bucket's: freed with it
 
     def time(lengths: torch.Tensor, chunk: int) -> float:
         # the candidate chunk as the plan's, with the coarsening a table entry would get (decode_plan.coarsened)
         forced = decode_plan.make_plan(batch, ctx, 1, HKV * group, HKV, D, PAGE, num_sms, -1, math.ceil(ctx / chunk),
                                        name)
         plan = decode_plan.coarsened(forced)
-        call = lambda i: tk_backend.attention._decode_split(  # noqa: E731
-            q, k, v, lengths, table, D**-0.5, True, (-1, -1), 0.0, 0, out, plan=plan)
+
+        def call(i):  # planned each call, as flash_attn_with_kvcache: every call works out its schedule
+            decode = attention.PagedDecode(workspaces).plan(lengths, table, num_q_heads=HKV * group, num_kv_heads=HKV,
+                                                            head_dim=D, page_size=PAGE, split_plan=plan)
+            decode.run(q, k, v, out)
         return time_per_call(call, 1, replays=5, target_ms=5.0)
 
     chunks = [c for c in CHUNKS if c <= ctx] or [CHUNKS[0]]
     times = {c: (time(full, c), time(skew, c)) for c in chunks}
-    del k, v
-    tk_backend.attention._workspaces.clear()  # one workspace per forced plan: free them between buckets
+    del k, v, workspaces
     torch.cuda.empty_cache()
     best_full = min(t[0] for t in times.values())
     best_skew = min(t[1] for t in times.values())

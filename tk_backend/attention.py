@@ -1,4 +1,5 @@
-"""Attention with flash-attn's API: varlen (optionally paged) prefill, dense batches, and paged decode.
+"""Attention with flash-attn's API: varlen (optionally paged) prefill, dense batches, and paged decode (also as
+PagedDecode: planned once a step, run per layer).
 
 bf16/fp16 q/k/v, float32 softmax, output in q's dtype, lse in float32 (natural log, -inf for a row that
 sees no key). Causal masks and windows are aligned bottom-right, as in flash-attn >= 2.1.
@@ -11,6 +12,7 @@ graph capture, for debugging.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -34,9 +36,9 @@ lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> 
 # Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
 # and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (each
 # CTA of the split kernel works out and writes its own range, or in balanced mode a schedule kernel runs first;
-# with reuse_schedule they already hold it, from an earlier call of the same schedule),
+# with reuse_schedule they already hold it, from an earlier run of the same plan),
 # then runs the kernel and merges partial_out / partial_lse (see decode_plan's docstring for their layout).
-# The kernels are csrc/kernels/decode.cu; flash_attn_with_kvcache reaches them through _decode_split.
+# The kernels are csrc/kernels/decode.cu; PagedDecode.run launches them.
 lib.define(
     "attn_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor block_table, "
     "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
@@ -267,6 +269,18 @@ def validate_dense(q, k, v, softmax_scale, causal, window_size, softcap, out) ->
     return _scale(softmax_scale, q.shape[-1]), _window(window_size), _softcap(softcap)
 
 
+def _decode_block_table(block_table: object, batch: int, ref: torch.Tensor, ref_name: str) -> None:
+    if block_table is None:
+        raise ValueError(
+            "block_table is required: decode reads paged caches [num_blocks, block_size, kv_heads, head_dim]"
+        )
+    block_table = _checks.tensor(block_table, "block_table", dtypes=(torch.int32,))
+    _rank(block_table, "block_table", "[batch, max_blocks]")
+    _checks.same_device(block_table, ref, "block_table", ref_name)
+    if block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have shape ({batch}, max_blocks >= 1), got {tuple(block_table.shape)}")
+
+
 def validate_decode(
     q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, num_splits, out,
 ) -> tuple[float, tuple[int, int], float]:
@@ -282,21 +296,37 @@ def validate_decode(
     if not 1 <= q_len <= MAX_DECODE_Q_LEN:
         raise ValueError(f"q_len (q.shape[1]) must be between 1 and {MAX_DECODE_Q_LEN}, got {q_len}")
     _index_tensor(cache_seqlens, "cache_seqlens", (batch,), "[batch]", q)
-    if block_table is None:
-        raise ValueError(
-            "block_table is required: decode reads paged caches [num_blocks, block_size, kv_heads, head_dim]"
-        )
-    block_table = _checks.tensor(block_table, "block_table", dtypes=(torch.int32,))
-    _rank(block_table, "block_table", "[batch, max_blocks]")
-    _checks.same_device(block_table, q, "block_table", "q")
-    if block_table.shape[0] != batch or block_table.shape[1] < 1:
-        raise ValueError(f"block_table must have shape ({batch}, max_blocks >= 1), got {tuple(block_table.shape)}")
+    _decode_block_table(block_table, batch, q, "q")
     _paged_cache(k_cache, v_cache, "k_cache", "v_cache")
     _int(num_splits, "num_splits", 0)
     if out is not None:
         _out(out, q, tuple(q.shape))
     _bool(causal, "causal")
     return _scale(softmax_scale, q.shape[-1]), _window(window_size), _softcap(softcap)
+
+
+def validate_decode_plan(
+    cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal, window_size,
+    num_splits,
+) -> tuple[int, int]:
+    """Check every argument of PagedDecode.plan; returns the window resolved."""
+    seqlens = _checks.tensor(cache_seqlens, "cache_seqlens", dtypes=(torch.int32,))
+    _rank(seqlens, "cache_seqlens", "[batch]")
+    if seqlens.shape[0] < 1:
+        raise ValueError(f"cache_seqlens must hold batch >= 1 lengths, got shape {tuple(seqlens.shape)}")
+    _decode_block_table(block_table, seqlens.shape[0], seqlens, "cache_seqlens")
+    if not 1 <= _int(q_len, "q_len", 1) <= MAX_DECODE_Q_LEN:
+        raise ValueError(f"q_len must be between 1 and {MAX_DECODE_Q_LEN}, got {q_len}")
+    hq, hkv = _int(num_q_heads, "num_q_heads", 1), _int(num_kv_heads, "num_kv_heads", 1)
+    if hq % hkv:
+        raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    if _int(head_dim, "head_dim", 1) not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
+    if _int(page_size, "page_size", 1) not in BLOCK_SIZES:
+        raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size}")
+    _int(num_splits, "num_splits", 0)
+    _bool(causal, "causal")
+    return _window(window_size)
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -401,90 +431,244 @@ def _device_info(device: torch.device) -> tuple[int, str]:
     return _device_properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Decode workspaces: one buffer set per (device, row layout, CTA count), shared by every plan of that layout
-# (a plan takes a prefix of it). Plans differ per batch size, and vLLM's mixed batches bring any number of
-# decode requests, so one buffer per plan would grow without bound. A buffer is allocated on first use
-# (before graph capture) and grows by doubling; outgrown buffers stay alive, since a captured CUDA graph may
-# still point at them. Every use is on the op's stream, one launch sequence after another.
-_workspaces: dict[tuple, list[decode_plan.DecodeWorkspace]] = {}
+# ------------------------------------------------------------------------------------------- paged decode
 
 
-def _workspace(plan: decode_plan.DecodePlan, device: torch.device, items: int | None = None
-               ) -> decode_plan.DecodeWorkspace:
-    """A workspace of `items` rows (default: the plan's max_items)."""
-    items = plan.max_items if items is None else items
-    held = _workspaces.setdefault((device, plan.q_len, plan.group, plan.head_dim, plan.num_ctas), [])
-    if not held or held[-1].capacity < items:
-        capacity = max(items, 2 * held[-1].capacity if held else 0)
-        held.append(decode_plan.DecodeWorkspace.allocate(plan, device, items=capacity, needed=items))
-    return held[-1].prefix(items)
+@dataclasses.dataclass(eq=False)
+class PooledWorkspace:
+    """One buffer set of a DecodeWorkspacePool, and whose schedule its work list holds."""
+
+    buffers: decode_plan.DecodeWorkspace
+    schedule: tuple[object, bool] | None = None  # (plan, captured) of the last run on it: PagedDecode._claim_schedule
 
 
-# Balanced mode pays where the static work list is mostly empty slots: a block table far wider than the contexts
-# (vLLM's is max_model_len wide, and a CUDA graph keeps all of it) or one long sequence, which is where the plan
-# cuts each sequence into many splits. 1k contexts under a 128k-token table (32-64 splits at b1 / b8, 16 at b64)
-# took 0.64 / 0.75 / 0.83 of the static schedule's time (session 13); at 2-8 splits the static plan of uniform
-# contexts is balanced already, and balanced mode's extra pieces cost 1.03x (b8, 8k and 32k contexts).
+class DecodeWorkspacePool:
+    """Decode workspaces: one buffer set per (device, row layout, CTA count), shared by every plan of that layout
+    (a plan takes a prefix of it), so that vLLM's mixed batches, any number of decode requests each, do not add a
+    buffer each. A set is allocated on first use and grows by doubling; outgrown sets stay alive, since a captured
+    CUDA graph may still point at them. Its plans run on one stream, one launch sequence after another."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple, list[PooledWorkspace]] = {}
+
+    def acquire(self, plan: decode_plan.DecodePlan, device: torch.device, items: int | None = None
+                ) -> PooledWorkspace:
+        """The newest buffer set of plan's row layout, grown to hold `items` rows (default: the plan's max_items)."""
+        items = plan.max_items if items is None else items
+        held = self._held.setdefault((device, plan.q_len, plan.group, plan.head_dim, plan.num_ctas), [])
+        if not held or held[-1].buffers.capacity < items:
+            capacity = max(items, 2 * held[-1].buffers.capacity if held else 0)
+            held.append(PooledWorkspace(decode_plan.DecodeWorkspace.allocate(plan, device, capacity, needed=items)))
+        return held[-1]
+
+    def held(self) -> list[list[PooledWorkspace]]:
+        """Every layout's buffer sets, oldest first."""
+        return list(self._held.values())
+
+    def clear(self) -> None:
+        """Drop every buffer set (only when no captured graph uses them)."""
+        self._held.clear()
+
+
+# The pool of PagedDecode objects given none, flash_attn_with_kvcache's among them.
+DEFAULT_DECODE_WORKSPACES = DecodeWorkspacePool()
+
+# Balanced mode pays where the static work list is mostly empty slots (a block table far wider than the contexts,
+# or one long sequence): plans of many splits (docs/findings/decode.md#decode-balanced2).
 BALANCED_MIN_SPLITS = 16
 
 
 def balanced_mode(plan: decode_plan.DecodePlan, num_splits: int = 0) -> bool:
-    """Whether _decode_split runs the planner's `plan` in balanced mode (see there)."""
+    """Whether the planner's `plan` runs in balanced mode (decode_balanced): where the static plan would schedule
+    (more slots than CTAs) with at least BALANCED_MIN_SPLITS splits a sequence, and num_splits does not force the
+    split. A plan of few splits already gives CTAs whole items, and a one-split plan needs no merge."""
     return (plan.max_items > plan.num_ctas and plan.max_splits >= BALANCED_MIN_SPLITS and num_splits <= 0
             and plan.num_ctas <= decode_balanced.MAX_CTAS)
 
 
-# What each workspace buffer's work list holds: the schedule key (see _reuses_schedule) of the call that built it,
-# by the buffer's address. flash_attn_with_kvcache's schedule_token lets a call skip building the schedule.
-_schedules: dict[int, tuple] = {}
+class PagedDecode:
+    """Paged decode planned once per step and run per layer, as FlashInfer's BatchDecodeWithPagedKVCacheWrapper:
+    flash_attn_with_kvcache in two halves.
+
+        decode = PagedDecode().plan(cache_seqlens, block_table, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                    page_size=16)
+        for q, k_cache, v_cache, out in layers:
+            decode.run(q, k_cache, v_cache, out)
+
+    plan() is host work only (no sync): from the shapes it picks the split-KV plan (decode_plan.make_plan: the KV
+    chunk and the most splits a sequence can have, for the block table's width), whether it runs in balanced mode,
+    the kernel's K/V tile, and the workspace it runs on (from a DecodeWorkspacePool); a group of q_len x
+    (q heads per kv head) > 64 rows runs on the paged prefill kernel instead. The lengths stay on the device.
+
+    The kernel's first run after plan() works out the step's schedule (which CTA attends which keys) from the
+    lengths, into the workspace; later runs reuse it, so the lengths must not change between a plan's runs (plan
+    again for a new step). A run reuses it only when the workspace's last run was one of this plan in the same mode
+    of execution: another plan of the same row layout shares the pool's buffers, and a run captured into a CUDA
+    graph does not execute at capture, so an eager run may not reuse what a captured run would have written, nor a
+    captured run an eager one's (vLLM warms up and captures with the same metadata).
+    """
+
+    def __init__(self, workspaces: DecodeWorkspacePool | None = None) -> None:
+        self.workspaces = DEFAULT_DECODE_WORKSPACES if workspaces is None else workspaces
+        # What plan() fixes:
+        self.cache_seqlens: torch.Tensor | None = None  # None until planned
+        self.block_table: torch.Tensor | None = None
+        self.q_shape = (0, 0, 0, 0)  # (batch, q_len, q heads, head dim)
+        self.num_kv_heads = self.page_size = 0
+        self.causal, self.window, self.num_splits = True, (-1, -1), 0
+        self.split_plan: decode_plan.DecodePlan | None = None  # None: the paged prefill kernel runs the step
+        self.balanced = False
+        self.kv_tile = 128
+        self.workspace: decode_plan.DecodeWorkspace | None = None  # the plan's prefix of the pool's buffers
+        self._pooled: PooledWorkspace | None = None
+        self._schedule_id = object()  # a fresh one each plan(): whose schedule the pool's buffers hold
+
+    def plan(
+        self,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        q_len: int = 1,
+        causal: bool = True,
+        window_size: tuple[int, int] = (-1, -1),
+        num_splits: int = 0,
+        split_plan: decode_plan.DecodePlan | None = None,
+    ) -> "PagedDecode":
+        """Plan the step of cache_seqlens [batch] (int32, on the device) over block_table [batch, max_blocks]
+        (its width bounds every context); num_splits > 0 forces the split count, as in flash-attn. split_plan runs a
+        DecodePlan of these shapes as given, in the static schedule (scripts/tune.py times chunks with it).
+        Returns self."""
+        window = validate_decode_plan(cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size,
+                                      q_len, causal, window_size, num_splits)
+        if split_plan is not None:
+            _check_split_plan(split_plan, block_table.shape[0], block_table.shape[1] * page_size, q_len, num_q_heads,
+                              num_kv_heads, head_dim, page_size, window[0])
+        return self._plan(cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal,
+                          window, num_splits, split_plan)
+
+    def _plan(self, cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal,
+              window, num_splits, split_plan=None) -> "PagedDecode":
+        """plan() on validated arguments."""
+        batch, width = block_table.shape
+        # More rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill, a debugging
+        # fallback): no plan, the paged prefill kernel runs the step.
+        split_kernel = q_len * (num_q_heads // num_kv_heads) <= 64 and os.environ.get("TK_DECODE_KERNEL") != "prefill"
+        plan = split_plan
+        if plan is None and split_kernel:
+            num_sms, device_name = _device_info(cache_seqlens.device)
+            plan = decode_plan.make_plan(batch, width * page_size, q_len, num_q_heads, num_kv_heads, head_dim,
+                                         page_size, num_sms, window[0], num_splits, device_name)
+        self.cache_seqlens, self.block_table = cache_seqlens, block_table
+        self.q_shape = (batch, q_len, num_q_heads, head_dim)
+        self.num_kv_heads, self.page_size = num_kv_heads, page_size
+        self.causal, self.window, self.num_splits = causal, window, num_splits
+        self.split_plan = plan
+        self.balanced = plan is not None and split_plan is None and balanced_mode(plan, num_splits)
+        self.kv_tile = decode_plan.kv_tile(plan, self.balanced) if plan is not None else 128
+        if plan is None:
+            self._pooled = self.workspace = None
+        else:  # balanced mode: two partial slots a CTA (and the stream offsets), whatever the table's width
+            items = decode_balanced.workspace_items(batch, plan.num_ctas) if self.balanced else plan.max_items
+            self._pooled = self.workspaces.acquire(plan, cache_seqlens.device, items)
+            self.workspace = self._pooled.buffers.prefix(items)
+        self._schedule_id = object()  # a new schedule: the next run works it out
+        return self
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        softmax_scale: float | None = None,
+        softcap: float = 0.0,
+        block_table: torch.Tensor | None = None,
+        return_softmax_lse: bool = False,
+    ):
+        """One layer: q [batch, q_len, Hq, D] against caches [num_blocks, page_size, Hkv, D] (the new tokens already
+        written), over the planned lengths and block table. block_table replaces the planned one by another of its
+        shape (another KV-cache group's pages of the same requests: the schedule depends on the table's width, not
+        its pages). Returns out [batch, q_len, Hq, D], or (out, lse [batch, Hq, q_len] float32)."""
+        if self.cache_seqlens is None:
+            raise RuntimeError("PagedDecode.run() needs a plan(): call plan() first")
+        if isinstance(q, torch.Tensor) and tuple(q.shape) != self.q_shape:
+            raise ValueError(f"q must have the planned shape {self.q_shape}, got {tuple(q.shape)}")
+        table = self.block_table if block_table is None else block_table
+        scale, _, softcap = validate_decode(q, k_cache, v_cache, self.cache_seqlens, table, softmax_scale,
+                                            self.causal, self.window, softcap, self.num_splits, out)
+        planned = (self.page_size, self.num_kv_heads)
+        if tuple(k_cache.shape[1:3]) != planned:
+            raise ValueError(f"k_cache must have the planned page size and kv heads {planned} (dimensions 1 and 2), "
+                             f"got shape {tuple(k_cache.shape)}")
+        if table.shape != self.block_table.shape:
+            raise ValueError(f"block_table must have the planned shape {tuple(self.block_table.shape)}, got "
+                             f"{tuple(table.shape)}")
+        require_kernels(q)
+        return self._run(q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse)
+
+    def _run(self, q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse):
+        """run() on validated arguments."""
+        if _block_table_check_wanted(table):
+            check_block_table(table, self.cache_seqlens, k_cache.shape[0], self.page_size)
+        if self.split_plan is None:
+            out, lse = _decode_on_prefill_kernel(q, k_cache, v_cache, self.cache_seqlens, table, scale, self.causal,
+                                                 self.window, softcap, out)
+        else:
+            out, lse = self._run_split(q, k_cache, v_cache, table, scale, softcap, out)
+        return (out, lse) if return_softmax_lse else out
+
+    def _run_split(self, q, k_cache, v_cache, table, scale, softcap, out):
+        plan, ws = self.split_plan, self.workspace
+        q = _addressable_copy(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+        torch.ops.tk.attn_decode(
+            q, k_cache, v_cache, self.cache_seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,
+            ws.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens, plan.coarsen_levels, self.balanced,
+            self.kv_tile, self._claim_schedule(), scale, self.causal, self.window[0], self.window[1], softcap, out,
+            lse,
+        )
+        return out, lse
+
+    def _claim_schedule(self) -> bool:
+        """Whether this run may reuse the schedule in the workspace (the class docstring's rule); records this run
+        as the workspace's last."""
+        mark = (self._schedule_id, torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        reuse = self._pooled.schedule == mark
+        self._pooled.schedule = mark
+        return reuse
 
 
-def _reuses_schedule(workspace: decode_plan.DecodeWorkspace, key: tuple, token: object) -> bool:
-    """Whether the workspace's work list is already this call's: built by a call with the same token and schedule
-    key (plan, mode, window, sequence-length tensor), the last on that buffer, and in the same mode of execution
-    (a call captured into a CUDA graph is not run then, so an eager call may not reuse it, nor a captured call an
-    eager one's). Records this call's."""
-    entry = (token, key, torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-    held = _schedules.get(workspace.work_items.data_ptr())
-    _schedules[workspace.work_items.data_ptr()] = entry
-    return token is not None and held == entry
+def _check_split_plan(plan, batch, max_context, q_len, num_q_heads, num_kv_heads, head_dim, page_size, window_left
+                      ) -> None:
+    shape = (batch, max_context, q_len, num_q_heads, num_kv_heads, head_dim, page_size, window_left)
+    planned = (plan.batch, plan.max_context, plan.q_len, plan.num_q_heads, plan.num_kv_heads, plan.head_dim,
+               plan.page_size, plan.window_left)
+    if planned != shape:
+        raise ValueError(f"split_plan is for (batch, max_context, q_len, q heads, kv heads, head dim, page size, "
+                         f"window_left) {planned}, not this step's {shape}")
+    if q_len * plan.group > 64:
+        raise ValueError(f"split_plan needs q_len x (q heads per kv head) <= 64 rows, got {q_len * plan.group}")
 
 
-def _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, num_splits, out,
-                  plan: decode_plan.DecodePlan | None = None, schedule_token: object = None):
-    """The split-KV decode kernel on validated inputs (q_len x heads per kv head <= 64 rows); `plan` overrides
-    the planner and its static schedule runs as given (scripts/tune.py times chunks with it)."""
+def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, out):
+    """Decode on the paged prefill kernel, where each sequence's q_len queries are the last q_len positions of its
+    keys: for more rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill)."""
     bsz, q_len, hq, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    planned = plan is None
-    if planned:
-        num_sms, device_name = _device_info(q.device)
-        max_context = block_table.shape[1] * block_size
-        plan = decode_plan.make_plan(bsz, max_context, q_len, hq, hkv, d, block_size, num_sms, window[0],
-                                     num_splits, device_name)
-    # Balanced mode (decode_balanced) wherever the planner's plan would schedule (more slots than CTAs) with at
-    # least BALANCED_MIN_SPLITS splits a sequence, and num_splits does not force the split: its workspace is two
-    # partial slots a CTA (and the stream offsets in work_items), whatever the block table's width. A plan of few
-    # splits (many sequences, or a table as wide as the contexts) already gives CTAs whole items, and a one-split
-    # plan needs no merge, which balanced mode's cuts would bring back.
-    balanced = planned and balanced_mode(plan, num_splits)
-    items = decode_balanced.workspace_items(bsz, plan.num_ctas) if balanced else plan.max_items
-    workspace = _workspace(plan, q.device, items)
-    q = _addressable_copy(q)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty(bsz, hq, q_len, dtype=torch.float32, device=q.device)
-    kv_tile = decode_plan.kv_tile(plan, balanced)
-    # What the schedule depends on: the plan (batch, q_len, heads, block-table width), the mode (which fixes the kv
-    # tile), the window and the lengths (the caller's promise for one token; their tensor here, so another slice of
-    # them rebuilds).
-    key = (plan, balanced, causal, window, cache_seqlens.data_ptr(), tuple(cache_seqlens.shape))
-    torch.ops.tk.attn_decode(
-        q, k_cache, v_cache, cache_seqlens, block_table, workspace.work_items, workspace.cta_start,
-        workspace.partial_out, workspace.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens,
-        plan.coarsen_levels, balanced, kv_tile, _reuses_schedule(workspace, key, schedule_token), scale, causal,
-        window[0], window[1], softcap, out, lse,
-    )
-    return out, lse
+    max_context = block_table.shape[1] * k_cache.shape[1]
+    cu_q = torch.arange(0, (bsz + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
+    flat_out = out.view(bsz * q_len, hq, d) if out is not None and out.is_contiguous() else None
+    o, lse = _varlen(q.reshape(bsz * q_len, hq, d), k_cache, v_cache, cu_q, None, cache_seqlens, block_table,
+                     q_len, max_context, scale, causal, window, softcap, flat_out)
+    if out is not None and flat_out is None:
+        out.copy_(o.view(bsz, q_len, hq, d))
+    out = out if out is not None else o.view(bsz, q_len, hq, d)
+    return out, lse.view(hq, bsz, q_len).transpose(0, 1)
 
 
 def flash_attn_with_kvcache(
@@ -500,8 +684,6 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     out: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
-    *,
-    schedule_token: object = None,
 ):
     """Paged decode: q [B, q_len, Hq, D] (q_len 1..16) against caches [num_blocks, block_size, Hkv, D].
 
@@ -511,32 +693,14 @@ def flash_attn_with_kvcache(
     split count); larger groups run on the paged prefill kernel. Returns out [B, q_len, Hq, D], or
     (out, lse [B, Hq, q_len] float32) with return_softmax_lse.
 
-    schedule_token (hashable, e.g. one object a decode step): calls that pass the same token promise the same
-    cache_seqlens values; the first builds the split kernel's work list on the device and the next ones with the
-    same plan, window and cache_seqlens tensor reuse it (not working it out again) while no other call has rebuilt it.
-    vLLM's backend passes one token a step, so the layers of a step build the work list once.
+    One call plans and runs; the layers of a step share one plan through PagedDecode (its schedule is worked out
+    once a step, not once a layer).
     """
     scale, window, softcap = validate_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, num_splits, out,
     )
     require_kernels(q)
-    bsz, q_len, hq, d = q.shape
-    num_blocks, block_size, hkv, _ = k_cache.shape
-    if _block_table_check_wanted(block_table):
-        check_block_table(block_table, cache_seqlens, num_blocks, block_size)
-    if q_len * (hq // hkv) <= 64 and os.environ.get("TK_DECODE_KERNEL", "split") != "prefill":
-        out, lse = _decode_split(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap,
-                                 num_splits, out, schedule_token=schedule_token)
-        return (out, lse) if return_softmax_lse else out
-    # Too many rows per kv head for one tile (or TK_DECODE_KERNEL=prefill, a debugging fallback): the paged
-    # prefill kernel, where each sequence's q_len queries are the last q_len positions of its keys.
-    max_context = block_table.shape[1] * block_size
-    cu_q = torch.arange(0, (bsz + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
-    flat_out = out.view(bsz * q_len, hq, d) if out is not None and out.is_contiguous() else None
-    o, lse = _varlen(q.reshape(bsz * q_len, hq, d), k_cache, v_cache, cu_q, None, cache_seqlens, block_table,
-                     q_len, max_context, scale, causal, window, softcap, flat_out)
-    if out is not None and flat_out is None:
-        out.copy_(o.view(bsz, q_len, hq, d))
-    out = out if out is not None else o.view(bsz, q_len, hq, d)
-    lse = lse.view(hq, bsz, q_len).transpose(0, 1)
-    return (out, lse) if return_softmax_lse else out
+    _, q_len, hq, d = q.shape
+    decode = PagedDecode()._plan(cache_seqlens, block_table, hq, k_cache.shape[2], d, k_cache.shape[1], q_len,
+                                 causal, window, num_splits)
+    return decode._run(q, k_cache, v_cache, block_table, scale, softcap, out, return_softmax_lse)

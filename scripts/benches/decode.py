@@ -105,16 +105,25 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1):
 
 
 def _tk_step(q, k_cache, v_cache, seqlens, table, out, layers):
-    """A decode step of `layers` layers through tk's op: one schedule token a step (a fresh one each time the
-    step is captured or run eagerly), so the first layer builds the work list and the rest reuse it, as vLLM's
-    backend runs it. A tree whose op has no schedule_token runs the layers one by one."""
-    reuse = "schedule_token" in inspect.signature(tk_backend.flash_attn_with_kvcache).parameters
+    """A decode step of `layers` layers through tk: one plan a step (a fresh one each time the step is captured
+    or run eagerly), so the first layer builds the work list and the rest reuse it, as vLLM's backend runs it.
+    A tree without attention.PagedDecode passes its op's schedule_token, if it has one."""
+    if not hasattr(attention, "PagedDecode"):
+        reuse = "schedule_token" in inspect.signature(tk_backend.flash_attn_with_kvcache).parameters
 
-    def call(i):
-        extra = {"schedule_token": object()} if reuse else {}
+        def call(i):
+            extra = {"schedule_token": object()} if reuse else {}
+            for _ in range(layers):
+                tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **extra)
+        return call
+    b, q_len, hq, d = q.shape
+
+    def step(i):
+        decode = attention.PagedDecode().plan(seqlens, table, num_q_heads=hq, num_kv_heads=k_cache.shape[2],
+                                              head_dim=d, page_size=k_cache.shape[1], q_len=q_len)
         for _ in range(layers):
-            tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **extra)
-    return call
+            decode.run(q, k_cache, v_cache, out)
+    return step
 
 
 def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, layers=1) -> list[Row]:

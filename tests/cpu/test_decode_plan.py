@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from tk_backend import decode_plan, reference
+import tk_backend
+from tk_backend import attention, decode_balanced, decode_plan, reference
 from tests.accuracy import assert_close
 
 
@@ -126,29 +127,29 @@ def test_workspace_is_reused_across_steps():
     assert ptrs == (ws.work_items.data_ptr(), ws.cta_start.data_ptr())
 
 
-def test_plans_of_one_row_layout_share_a_growing_workspace(monkeypatch):
+def test_plans_of_one_row_layout_share_a_growing_workspace():
     """Any batch size (vLLM's mixed batches) takes a prefix of one buffer set; growth keeps the old buffers."""
-    from tk_backend import attention
-
-    monkeypatch.setattr(attention, "_workspaces", {})
+    pool = attention.DecodeWorkspacePool()
     dev = torch.device("cpu")
     small, large, larger = (_plan(b, 1024, num_splits=3) for b in (3, 5, 11))
-    ws_small = attention._workspace(small, dev)
+    ws_small = pool.acquire(small, dev).buffers
     assert ws_small.capacity == small.max_items
-    ws_large = attention._workspace(large, dev)  # outgrows: a new buffer of at least twice the old
-    assert ws_large.capacity == large.max_items and ws_large.work_items.data_ptr() != ws_small.work_items.data_ptr()
-    again = attention._workspace(small, dev)  # now a prefix of the larger buffer
+    ws_large = pool.acquire(large, dev).buffers  # outgrows: a new buffer of at least twice the old
+    assert ws_large.capacity >= large.max_items and ws_large.work_items.data_ptr() != ws_small.work_items.data_ptr()
+    again = pool.acquire(small, dev).buffers.prefix(small.max_items)  # now a prefix of the larger buffer
     assert again.capacity == small.max_items and again.work_items.data_ptr() == ws_large.work_items.data_ptr()
     assert again.partial_out.shape[0] == small.max_items and again.partial_lse.shape[0] == small.max_items
-    attention._workspace(larger, dev)
-    held = next(iter(attention._workspaces.values()))
+    pool.acquire(larger, dev)
+    (held,) = pool.held()
     first, second = small.max_items, max(large.max_items, 2 * small.max_items)
-    assert [w.capacity for w in held] == [first, second, max(larger.max_items, 2 * second)]
+    assert [w.buffers.capacity for w in held] == [first, second, max(larger.max_items, 2 * second)]
     for lengths in ([1, 2, 3], [1024, 0, 17]):  # a prefix works as the plan's own workspace
         decode_plan.build_work_list(small, torch.tensor(lengths, dtype=torch.int32), again)
         _check_work_list(small, lengths, again)
     with pytest.raises(ValueError, match="cannot hold"):
         decode_plan.DecodeWorkspace.allocate(large, dev, items=large.max_items - 1)
+    other = _plan(3, 1024, hq=4, num_splits=3)  # another row layout (group 2): its own buffers
+    assert pool.acquire(other, dev).buffers.partial_lse.shape[-1] == 2 and len(pool.held()) == 2
 
 
 # ------------------------------------------------------------------------------------------------ merge
@@ -230,7 +231,7 @@ def test_num_splits_forces_the_chunk():
 
 def test_h200_table_is_used_and_falls_back_to_the_model():
     buckets = decode_plan.device_config("NVIDIA H200")
-    assert buckets, "configs/h200.json should describe the NVIDIA H200"
+    assert buckets, "tk_backend/configs/h200.json should describe the NVIDIA H200"
     hit = decode_plan.make_plan(32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200")
     assert hit.source == "table" and hit.chunk_tokens == decode_plan.lookup_chunk_tokens(buckets, 32, 32768, 1, 4, 128)
     assert decode_plan.make_plan(32, 32768, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200").source == "analytic"
@@ -317,8 +318,8 @@ def _h200_plan(batch, max_context, num_splits=0):
 ])
 def test_steps_of_long_sequences_take_larger_chunks(batch, context, plan_chunk, full_chunk):
     """Coarsening: every sequence at full context doubles the table's chunk until the SMs' rounds stop
-    shrinking (tune.py's measurements at b8 ctx8192: 0.086 ms in 4096-token chunks, 0.097 ms in 1024); one long
-    sequence among short ones keeps the plan's chunk, which spreads it over the SMs."""
+    shrinking (docs/findings/decode.md#decode-coarsen); one long sequence among short ones keeps the plan's
+    chunk, which spreads it over the SMs."""
     plan = _h200_plan(batch, context)
     assert plan.chunk_tokens == plan_chunk and plan.coarsen_levels > 0
     full = [context] * batch
@@ -386,22 +387,160 @@ def test_tune_buckets_tile_every_dimension_and_fit_in_memory():
             assert 1 <= rb <= b and rb * c * tune.HKV * tune.D * 4 <= tune.KV_BYTES_CAP
 
 
-def test_schedule_reuse_needs_the_same_token_key_and_buffer():
-    """attention._reuses_schedule: a decode call skips working out the schedule only when the workspace's work list was
-    built by the last call on that buffer, with its token and schedule key (plan, mode, window, lengths)."""
-    from tk_backend import attention
+# ------------------------------------------------------------------------ PagedDecode: plan once, run per layer
 
-    plan, other = _plan(4, 1024), _plan(4, 2048)
-    ws = decode_plan.DecodeWorkspace.allocate(plan, "cpu", items=2 * max(plan.max_items, other.max_items))
-    second = decode_plan.DecodeWorkspace.allocate(plan, "cpu")
-    key, other_key, window_key = (plan, False), (other, False), (plan, False, (64, 0))
-    reuses = attention._reuses_schedule
-    assert not reuses(ws, key, 1)  # the step's first call builds
-    assert reuses(ws, key, 1) and reuses(ws, key, 1)  # its other layers reuse
-    assert not reuses(second, key, 1)  # another buffer holds nothing of step 1
-    assert not reuses(ws, other_key, 1)  # another plan (e.g. another block-table width) rebuilds
-    assert not reuses(ws, key, 1)  # ... and then the first plan's work list is gone
-    assert not reuses(ws, window_key, 1) and not reuses(ws, key, 1)  # alternating windows: each rebuilds
-    assert not reuses(ws, key, 2) and reuses(ws, key, 2)  # the next step
-    assert not reuses(ws, key, None) and not reuses(ws, key, None)  # no token: always built
-    assert not reuses(ws, key, 2)  # a tokenless call rebuilt the buffer in between
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+class _Layers:
+    """Meta tensors of a decode step (the ops' fake implementations stand in for the kernels) and each split-kernel
+    run's reuse_schedule, in order."""
+
+    def __init__(self, monkeypatch, sms=7, device_name=None):
+        monkeypatch.setattr(attention, "_device_info", lambda device: (sms, device_name))
+        monkeypatch.setattr(attention, "require_kernels", lambda t: None)
+        self.reused: list[bool] = []
+        claim = attention.PagedDecode._claim_schedule
+        monkeypatch.setattr(attention.PagedDecode, "_claim_schedule",
+                            lambda decode: self.reused.append(claim(decode)) or self.reused[-1])
+        self.capturing = False
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+
+    @staticmethod
+    def plan(pool, batch=4, width=64, q_len=1, hq=8, hkv=2, d=128, page=16, **kw):
+        return attention.PagedDecode(pool).plan(
+            _meta(batch, dtype=torch.int32), _meta(batch, width, dtype=torch.int32), num_q_heads=hq,
+            num_kv_heads=hkv, head_dim=d, page_size=page, q_len=q_len, **kw)
+
+    @staticmethod
+    def run(decode, **kw):
+        batch, q_len, hq, d = decode.q_shape
+        cache = _meta(40, decode.page_size, decode.num_kv_heads, d)
+        return decode.run(_meta(batch, q_len, hq, d), cache, cache, **kw)
+
+
+def test_the_layers_of_a_step_reuse_its_schedule(monkeypatch):
+    """The first run after plan() works out the schedule; the step's other layers reuse it; plan() again (the next
+    step) starts over."""
+    layers = _Layers(monkeypatch)
+    decode = layers.plan(attention.DecodeWorkspacePool())
+    assert decode.split_plan.max_items > decode.split_plan.num_ctas  # a scheduled plan
+    for _ in range(3):
+        out, lse = layers.run(decode, return_softmax_lse=True)
+        assert out.shape == (4, 1, 8, 128) and lse.shape == (4, 8, 1)
+    assert layers.reused == [False, True, True]
+    decode.plan(_meta(4, dtype=torch.int32), _meta(4, 64, dtype=torch.int32), num_q_heads=8, num_kv_heads=2,
+                head_dim=128, page_size=16)
+    layers.run(decode)
+    layers.run(decode)
+    assert layers.reused == [False, True, True, False, True]
+
+
+def test_a_plan_reuses_only_the_schedule_it_left_in_the_shared_buffers(monkeypatch):
+    """Plans of one row layout share the pool's buffers: another plan's run in between (another KV-cache group's
+    layers, another batch size) overwrites the schedule, so the next run rebuilds it; another pool's plan does not."""
+    layers = _Layers(monkeypatch)
+    pool = attention.DecodeWorkspacePool()
+    first, other = layers.plan(pool), layers.plan(pool, batch=3)
+    assert first._pooled is other._pooled
+    for decode in (first, first, other, first, first):
+        layers.run(decode)
+    assert layers.reused == [False, True, False, False, True]
+    elsewhere = layers.plan(attention.DecodeWorkspacePool())
+    for decode in (first, elsewhere, first, elsewhere):
+        layers.run(decode)
+    assert layers.reused[5:] == [True, False, True, True]
+
+
+def test_captured_and_eager_runs_never_reuse_each_others_schedule(monkeypatch):
+    """A run captured into a CUDA graph does not execute at capture: an eager run may not reuse the schedule a
+    captured run 'wrote', nor a captured run an eager one's (vLLM warms up and captures with one metadata object)."""
+    layers = _Layers(monkeypatch)
+    decode = layers.plan(attention.DecodeWorkspacePool())
+    for capturing in (False, False, True, True, True, False, False):
+        layers.capturing = capturing
+        layers.run(decode)
+    assert layers.reused == [False, True, False, True, True, False, True]
+
+
+def test_plan_picks_the_mode_tile_and_workspace(monkeypatch):
+    layers = _Layers(monkeypatch, sms=132, device_name="NVIDIA H200")
+    pool = attention.DecodeWorkspacePool()
+    wide = layers.plan(pool, batch=8, width=131072 // 16, hq=32, hkv=8)  # short contexts under a wide table
+    assert wide.balanced and wide.kv_tile == 64 and attention.balanced_mode(wide.split_plan)
+    assert wide.workspace.capacity == decode_balanced.workspace_items(8, 132)
+    static = layers.plan(pool, batch=8, width=8192 // 16, hq=32, hkv=8)
+    assert not static.balanced and static.workspace.capacity == static.split_plan.max_items
+    assert static.kv_tile == decode_plan.kv_tile(static.split_plan, False)
+    forced = layers.plan(pool, batch=8, width=131072 // 16, hq=32, hkv=8, num_splits=4)
+    assert not forced.balanced and forced.split_plan.source == "num_splits"
+    given = layers.plan(pool, batch=8, width=131072 // 16, hq=32, hkv=8, split_plan=wide.split_plan)
+    assert not given.balanced and given.split_plan is wide.split_plan  # runs as given: the static schedule
+    large_group = layers.plan(pool, q_len=16, hq=16, hkv=2)  # 128 rows a kv head: the paged prefill kernel
+    assert large_group.split_plan is None and large_group.workspace is None
+    out = layers.run(large_group)
+    assert out.shape == (4, 16, 16, 128) and layers.reused == []
+    monkeypatch.setenv("TK_DECODE_KERNEL", "prefill")
+    assert layers.plan(pool).split_plan is None
+
+
+def test_flash_attn_with_kvcache_plans_each_call(monkeypatch):
+    layers = _Layers(monkeypatch)
+    for _ in range(2):
+        tk_backend.flash_attn_with_kvcache(_meta(4, 1, 8, 128), _meta(40, 16, 2, 128), _meta(40, 16, 2, 128),
+                                           _meta(4, dtype=torch.int32), _meta(4, 64, dtype=torch.int32))
+    assert layers.reused == [False, False]
+
+
+PLAN_ERRORS = [
+    (dict(cache_seqlens=_meta(4, dtype=torch.int64)), TypeError, "cache_seqlens must be int32, got int64"),
+    (dict(cache_seqlens=torch.zeros(4, dtype=torch.int32)), ValueError, "cache_seqlens must be a CUDA tensor"),
+    (dict(cache_seqlens=_meta(0, dtype=torch.int32)), ValueError, "cache_seqlens must hold batch >= 1 lengths"),
+    (dict(block_table=_meta(3, 64, dtype=torch.int32)), ValueError,
+     r"block_table must have shape \(4, max_blocks >= 1\), got \(3, 64\)"),
+    (dict(block_table=None), ValueError, "block_table is required"),
+    (dict(num_q_heads=7), ValueError, r"num_q_heads \(7\) must be a multiple of num_kv_heads \(2\)"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1, got 0"),
+    (dict(head_dim=96), ValueError, "head_dim must be 64, 128 or 256, got 96"),
+    (dict(page_size=24), ValueError, "page_size must be 16, 32, 64, 128 or 256, got 24"),
+    (dict(q_len=17), ValueError, "q_len must be between 1 and 16, got 17"),
+    (dict(q_len=2.0), TypeError, "q_len must be an int, got float"),
+    (dict(num_splits=-1), ValueError, "num_splits must be >= 0, got -1"),
+    (dict(causal=1), TypeError, "causal must be a bool, got int"),
+    (dict(window_size=(4, -3)), ValueError, r"window_size must be \(left, right\)"),
+    (dict(split_plan=_plan(4, 2048)), ValueError, r"split_plan is for .* \(4, 2048, .*not this step's \(4, 1024"),
+]
+
+
+@pytest.mark.parametrize("changes,error,match", PLAN_ERRORS)
+def test_plan_names_the_bad_argument(monkeypatch, changes, error, match):
+    _Layers(monkeypatch)
+    args = dict(cache_seqlens=_meta(4, dtype=torch.int32), block_table=_meta(4, 64, dtype=torch.int32),
+                num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+    args.update(changes)
+    with pytest.raises(error, match=match):
+        attention.PagedDecode().plan(**args)
+
+
+def test_run_checks_its_layer_against_the_plan(monkeypatch):
+    layers = _Layers(monkeypatch)
+    with pytest.raises(RuntimeError, match="call plan"):
+        attention.PagedDecode().run(_meta(4, 1, 8, 128), _meta(40, 16, 2, 128), _meta(40, 16, 2, 128))
+    decode = layers.plan(attention.DecodeWorkspacePool())
+    cache = _meta(40, 16, 2, 128)
+    with pytest.raises(ValueError, match=r"q must have the planned shape \(4, 1, 8, 128\), got \(4, 1, 16, 128\)"):
+        decode.run(_meta(4, 1, 16, 128), cache, cache)
+    with pytest.raises(ValueError, match=r"k_cache must have the planned page size and kv heads \(16, 2\)"):
+        decode.run(_meta(4, 1, 8, 128), _meta(40, 32, 2, 128), _meta(40, 32, 2, 128))
+    with pytest.raises(ValueError, match=r"block_table must have the planned shape \(4, 64\), got \(4, 32\)"):
+        decode.run(_meta(4, 1, 8, 128), cache, cache, block_table=_meta(4, 32, dtype=torch.int32))
+    with pytest.raises(TypeError, match="v_cache must have q's dtype"):
+        decode.run(_meta(4, 1, 8, 128), cache, _meta(40, 16, 2, 128, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"out must have shape \(4, 1, 8, 128\)"):
+        decode.run(_meta(4, 1, 8, 128), cache, cache, _meta(4, 2, 8, 128))
+    assert layers.reused == []  # every error before the launch
+    decode.run(_meta(4, 1, 8, 128), cache, cache, block_table=_meta(4, 64, dtype=torch.int32))  # another group's
+    assert layers.reused == [False]

@@ -30,11 +30,13 @@ import tk_backend.vllm as tk_vllm  # noqa: E402
 from tk_backend import attention, reference  # noqa: E402
 from tk_backend.vllm import backend as tk_vllm_backend  # noqa: E402
 from tk_backend.vllm import compat  # noqa: E402
+from tk_backend.vllm import metadata as tk_vllm_metadata  # noqa: E402
 from tk_backend.vllm.backend import TKAttentionBackend, TKAttentionImpl, kv_cache_views  # noqa: E402
 from tk_backend.vllm.metadata import (  # noqa: E402
     MIN_SPLIT_DECODES,
     TKAttentionMetadataBuilder,
     leading_single_token_requests,
+    step_block_table,
     uniform_decode_shape,
 )
 from tests.vllm_sim import ServingSimulation, builder, common_metadata, vllm_allocated_cache  # noqa: E402
@@ -346,26 +348,68 @@ def test_builder_chooses_the_decode_op_only_for_uniform_batches(query_lens, seq_
     # update_block_table keeps everything else.
     other = builder().update_block_table(md, block_table + 100, torch.zeros(3))
     assert torch.equal(other.block_table, block_table + 100) and other.decode_batch == md.decode_batch
-    assert other.schedule_token == md.schedule_token  # the same step: the same lengths
+    if decode is not None:  # the same step over the other group's pages
+        assert torch.equal(other.decode.block_table, block_table + 100) and other.decode.seq_lens is md.decode.seq_lens
+    else:
+        assert md.decode is None and other.decode is None
 
 
-def test_every_build_gets_its_own_schedule_token_and_every_decode_call_passes_it(kernels):
-    """The decode op's schedule_token: a fresh one each build (a step; whichever builder builds it), passed by
-    each decode call of the step, so the step's first layer builds the work list and the others reuse it."""
-    block_table = torch.arange(16, dtype=torch.int32).view(2, 8)
-    cm = common_metadata([1, 1], [9, 30], block_table, torch.arange(2))
-    tokens = [builder().build(0, cm).schedule_token, builder().build(0, cm).schedule_token]
-    assert tokens[0] >= 0 and tokens[1] > tokens[0]
+def _layer(sim, md, rows):
+    """One more layer of a built step, on fresh queries (the simulation's cache): another decoder layer."""
+    q = torch.randn(rows, sim.h, sim.d).to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    sim.impl.forward(sim.layer, q, None, None, sim.kv_cache, md, out)
+    assert not out.isnan().any()
+
+
+def test_a_step_plans_once_and_its_layers_reuse_the_schedule(kernels):
+    """build() makes the step's DecodeStep; its first layer plans a PagedDecode, whose first run works out the
+    schedule, and the step's other layers run that plan, reusing it; the next step plans again. A mixed batch's
+    leading decodes alike, and another KV-cache group's metadata (update_block_table) shares the step's plans."""
     sim = ServingSimulation(8, 2, 64, prompt_lens=[20, 30, 40] + [10] * MIN_SPLIT_DECODES)
     n = 3 + MIN_SPLIT_DECODES
     sim.step({r: 10 for r in range(n)})
-    kernels.calls.clear()
-    kernels.schedule_tokens.clear()
-    sim.step({r: 1 for r in range(n)})  # uniform decode
-    sim.step({**{r: 1 for r in range(n - 1)}, n - 1: 5})  # mixed: the leading decodes split off
-    assert kernels.calls == [f"decode({n}, 1)", f"decode({n - 1}, 1)", "varlen"]
-    first, second = kernels.schedule_tokens
-    assert isinstance(first, int) and second > first > tokens[1]
+    kernels.clear()
+    md = sim.step({r: 1 for r in range(n)})  # uniform decode
+    _layer(sim, md, n)
+    _layer(sim, md, n)
+    assert kernels.calls == [f"decode({n}, 1)"] * 3 and kernels.reused == [False, True, True]
+    assert len(set(map(id, kernels.decode_plans))) == 1
+    group = sim.builder.update_block_table(md, md.block_table.clone(), md.slot_mapping)
+    _layer(sim, group, n)
+    assert kernels.reused[-1] and kernels.decode_plans[-1] is kernels.decode_plans[0]
+    kernels.clear()
+    md = sim.step({**{r: 1 for r in range(n - 1)}, n - 1: 5})  # mixed: the leading decodes split off
+    _layer(sim, md, n - 1 + 5)
+    assert kernels.calls == [f"decode({n - 1}, 1)", "varlen"] * 2 and kernels.reused == [False, True]
+    assert kernels.decode_plans[0] is kernels.decode_plans[1]
+
+
+@pytest.mark.parametrize("max_len", [4096, 160])  # a table wider than the contexts; one as wide as they need
+def test_warm_up_and_capture_of_one_step_plan_apart(kernels, monkeypatch, max_len):
+    """vLLM warms a CUDA graph's batch up eagerly and then captures it with the same metadata: the eager runs read
+    step_block_table's columns, the captured ones the whole table, each mode on its own plan, and neither reuses a
+    schedule the other mode's runs left in shared buffers (a captured run does not execute at capture)."""
+    sim = ServingSimulation(8, 2, 64, prompt_lens=[150, 100], max_len=max_len)
+    sim.step({0: 150, 1: 100})
+    kernels.clear()
+    md = sim.step({0: 1, 1: 1})  # eager warm-up: layer 0
+    _layer(sim, md, 2)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    _layer(sim, md, 2)
+    _layer(sim, md, 2)
+    capturing[0] = False
+    _layer(sim, md, 2)
+    eager_width = min(16, sim.max_blocks)  # 151 keys: 10 pages, a power of two of them
+    assert kernels.decode_table_widths == [eager_width] * 2 + [sim.max_blocks] * 2 + [eager_width]
+    eager, captured = kernels.decode_plans[0], kernels.decode_plans[2]
+    assert kernels.decode_plans == [eager, eager, captured, captured, eager] and eager is not captured
+    # The captured plan of the wide table outgrows the eager plan's buffers: a new buffer set, the eager one untouched.
+    shared = eager._pooled is captured._pooled
+    assert shared == (max_len == 160)
+    assert kernels.reused == [False, True, False, True, not shared]
 
 
 @pytest.mark.parametrize("decodes,expect_split", [(MIN_SPLIT_DECODES, True), (MIN_SPLIT_DECODES - 1, False)])
@@ -400,12 +444,19 @@ def test_cudagraph_support_depends_on_the_decode_width():
 
 
 class _KernelStandIns:
-    """The TK ops replaced by the float32 references, after the real argument validation (on meta copies)."""
+    """The TK kernels replaced by the float32 references, after the real argument validation (on meta copies):
+    varlen in place of flash_attn_varlen_func, and a PagedDecode whose real plan and run go through the ops' fake
+    implementations on meta copies before the reference writes out."""
 
     def __init__(self):
         self.calls: list[str] = []
         self.decode_table_widths: list[int] = []
-        self.schedule_tokens: list[object] = []  # each decode call's
+        self.decode_plans: list[attention.PagedDecode] = []  # each decode run's
+        self.reused: list[bool] = []  # each split-kernel launch's reuse_schedule
+
+    def clear(self) -> None:
+        for record in (self.calls, self.decode_table_widths, self.decode_plans, self.reused):
+            record.clear()
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
@@ -423,18 +474,28 @@ class _KernelStandIns:
         out.copy_(o)
         return out
 
-    def with_kvcache(self, q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
-                     window_size=(-1, -1), softcap=0.0, num_splits=0, out=None, return_softmax_lse=False, *,
-                     schedule_token=None):
-        meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, cache_seqlens, block_table, out)]
-        attention.validate_decode(*meta[:5], softmax_scale, causal, window_size, softcap, num_splits, meta[5])
-        self.calls.append(f"decode{tuple(q.shape[:2])}")
-        self.decode_table_widths.append(block_table.shape[1])
-        self.schedule_tokens.append(schedule_token)
-        o, _ = reference.decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal,
-                                window_size, softcap)
-        out.copy_(o)
-        return out
+    def paged_decode(self) -> type[attention.PagedDecode]:
+        stand_ins = self
+
+        class PagedDecode(attention.PagedDecode):
+            def plan(self, cache_seqlens, block_table, **kw):
+                self.lengths, self.table = cache_seqlens, block_table
+                return super().plan(_meta_like(cache_seqlens), _meta_like(block_table), **kw)
+
+            def run(self, q, k_cache, v_cache, out=None, *, softmax_scale=None, softcap=0.0, block_table=None,
+                    return_softmax_lse=False):
+                table = self.table if block_table is None else block_table
+                meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, out, block_table)]
+                super().run(*meta[:4], softmax_scale=softmax_scale, softcap=softcap, block_table=meta[4])
+                stand_ins.calls.append(f"decode{tuple(q.shape[:2])}")
+                stand_ins.decode_table_widths.append(table.shape[1])
+                stand_ins.decode_plans.append(self)
+                o, _ = reference.decode(q, k_cache, v_cache, self.lengths, table, softmax_scale, self.causal,
+                                        self.window, softcap)
+                out.copy_(o)
+                return out
+
+        return PagedDecode
 
     @staticmethod
     def write_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale):
@@ -451,8 +512,14 @@ class _KernelStandIns:
 def kernels(monkeypatch) -> _KernelStandIns:
     stand_ins = _KernelStandIns()
     monkeypatch.setattr(tk_vllm_backend, "flash_attn_varlen_func", stand_ins.varlen)
-    monkeypatch.setattr(tk_vllm_backend, "flash_attn_with_kvcache", stand_ins.with_kvcache)
+    monkeypatch.setattr(tk_vllm_metadata, "PagedDecode", stand_ins.paged_decode())
+    monkeypatch.setattr(tk_vllm_metadata, "DEFAULT_DECODE_WORKSPACES", attention.DecodeWorkspacePool())
     monkeypatch.setattr(tk_vllm_backend, "reshape_and_cache_flash", stand_ins.write_cache)
+    monkeypatch.setattr(attention, "_device_info", lambda device: (132, "NVIDIA H200"))
+    monkeypatch.setattr(attention, "require_kernels", lambda t: None)
+    claim = attention.PagedDecode._claim_schedule
+    monkeypatch.setattr(attention.PagedDecode, "_claim_schedule",
+                        lambda decode: stand_ins.reused.append(claim(decode)) or stand_ins.reused[-1])
     return stand_ins
 
 
@@ -463,7 +530,7 @@ def test_forward_serves_prefill_chunks_prefix_hits_decode_and_verification(
 ):
     sim = ServingSimulation(num_heads, num_kv_heads, head_size, prompt_lens=[37, 5, 70], layout=layout)
     sim.prefill_cached_prefix(2, 40)  # request 2's first 40 tokens come from the prefix cache
-    kernels.calls.clear()
+    kernels.clear()
     sim.step({0: 37, 1: 5, 2: 30})  # prefill, short prefill, chunked prefill over the cached prefix
     sim.step({0: 1, 1: 1, 2: 1})  # decode
     sim.step({0: 4, 1: 4, 2: 4})  # speculative verification: 1 + 3 drafts per request
@@ -479,7 +546,7 @@ def test_forward_splits_mixed_batches_between_the_decode_and_prefill_ops(kernels
     sim = ServingSimulation(8, 2, 64, prompt_lens=[40] * n + [90], layout=layout, sliding_window=sliding_window,
                              softcap=softcap)
     sim.step({r: 17 + r for r in range(n)})  # prefills
-    kernels.calls.clear()
+    kernels.clear()
     mixed = {r: 1 for r in range(n)}
     sim.step({**mixed, n: 33})  # n decodes first (as vLLM reorders), then a prefill: split
     sim.step({**mixed, n: 20})  # a chunk over the prefill's first chunk: split again
@@ -495,7 +562,7 @@ def test_decode_reads_only_the_columns_the_step_needs_of_a_wide_table(kernels):
     sim = ServingSimulation(8, 2, 64, prompt_lens=[40] * n + [90], max_len=4096)
     assert sim.max_blocks == 256
     sim.step({r: 30 + r for r in range(n)})  # prefills: contexts up to 30 + n - 1
-    kernels.decode_table_widths.clear()
+    kernels.clear()
     sim.step({r: 1 for r in range(n)})  # uniform decode
     sim.step({**{r: 1 for r in range(n)}, n: 40})  # mixed: n decodes, then a 40-token prefill
     assert kernels.calls[-3:] == [f"decode({n}, 1)", f"decode({n}, 1)", "varlen"]
@@ -505,7 +572,7 @@ def test_decode_reads_only_the_columns_the_step_needs_of_a_wide_table(kernels):
 def test_step_block_table_bounds_every_context():
     table = torch.arange(4 * 300, dtype=torch.int32).view(4, 300)
     for max_seq_len, width in [(0, 1), (1, 1), (16, 1), (17, 2), (1152, 128), (4096, 256), (4800, 300)]:
-        got = tk_vllm_backend.step_block_table(table, max_seq_len, 16)
+        got = step_block_table(table, max_seq_len, 16)
         assert got.shape == (4, width) and got.stride() == table.stride(), max_seq_len
         assert got.shape[1] * 16 >= min(max_seq_len, 300 * 16)
         assert torch.equal(got, table[:, :width])

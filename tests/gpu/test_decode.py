@@ -1,4 +1,4 @@
-"""Paged decode (flash_attn_with_kvcache) against the float32 reference, and under CUDA-graph replay."""
+"""Paged decode (flash_attn_with_kvcache, PagedDecode) against the float32 reference, and under CUDA-graph replay."""
 from __future__ import annotations
 
 import random
@@ -94,9 +94,19 @@ def test_decode_graph_replay(seed):
         assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"graph replay seed={seed}")
 
 
-# ---- the split-KV decode kernel (csrc/kernels/decode.cu), reached directly until it backs the public op ----
+# ---- the split-KV decode kernel (csrc/kernels/decode.cu) through PagedDecode: its plan and workspace, read ----
 
 from tk_backend import attention as _attention, decode_balanced, decode_plan  # noqa: E402
+
+
+def _split_decode(q, k_cache, v_cache, seqlens, table, window=(-1, -1), softcap=0.0, num_splits=0, out=None):
+    """(the PagedDecode, out, lse) of one split-kernel run, on a workspace pool of its own."""
+    decode = _attention.PagedDecode(_attention.DecodeWorkspacePool()).plan(
+        seqlens, table, num_q_heads=q.shape[2], num_kv_heads=k_cache.shape[2], head_dim=q.shape[3],
+        page_size=k_cache.shape[1], q_len=q.shape[1], window_size=window, num_splits=num_splits)
+    assert decode.split_plan is not None, "q_len x group > 64: not the split kernel"
+    out, lse = decode.run(q, k_cache, v_cache, out, softcap=softcap, return_softmax_lse=True)
+    return decode, out, lse
 
 
 @pytest.mark.parametrize("q_len,group", [(1, 4), (1, 8), (4, 8), (16, 4)])
@@ -110,8 +120,7 @@ def test_split_decode(q_len, group, block_size, num_splits, seed):
     q = torch.randn(batch, q_len, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    _, lse = _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0,
-                                      num_splits, out)
+    _, _, lse = _split_decode(q, k_cache, v_cache, seqlens, table, num_splits=num_splits, out=out)
     torch.cuda.synchronize()
     ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
     what = f"split decode q_len={q_len} group={group} bs={block_size} splits={num_splits} ctx={contexts} seed={seed}"
@@ -127,7 +136,7 @@ def test_split_decode_head_dims_window_softcap(d, window, softcap, seed):
     k_cache, v_cache, table = _cache(rng, 3, contexts, 32, 2, d, torch.float16)
     q = torch.randn(3, 2, 8, d, device="cuda", dtype=torch.float16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda").clamp_min(2)
-    out, _ = _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, window, softcap, 0, None)
+    _, out, _ = _split_decode(q, k_cache, v_cache, seqlens, table, window, softcap)
     torch.cuda.synchronize()
     ref = reference.decode(q, k_cache, v_cache, seqlens, table, window_size=window, softcap=softcap)[0]
     assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"split d={d} window={window} softcap={softcap} seed={seed}")
@@ -146,22 +155,19 @@ def test_schedule_kernel_matches_build_work_list(window, batch, seed):
     k_cache, v_cache, table = _cache(rng, batch, [max(c, 1) for c in contexts], block_size, hkv, d)
     q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, window, 0.0, 0, None)
-    num_sms, name = _attention._device_info(q.device)
-    plan = decode_plan.make_plan(batch, table.shape[1] * block_size, 1, hkv * group, hkv, d, block_size, num_sms,
-                                 window[0], 0, name)
+    decode, _, _ = _split_decode(q, k_cache, v_cache, seqlens, table, window)
+    plan, used = decode.split_plan, decode.workspace
     # Direct mode (a CTA per slot, no schedule to work out): the attention kernel writes the slots for the merge,
     # and the CTA ranges are not used. With one split a segment as well there is no merge, and so no slots.
     direct = plan.max_items <= plan.num_ctas
-    if _attention.balanced_mode(plan):  # the stream offsets and each CTA's first segment (decode_balanced.schedule)
-        used = _attention._workspace(plan, q.device, decode_balanced.workspace_items(batch, plan.num_ctas))
+    if decode.balanced:  # the stream offsets and each CTA's first segment (decode_balanced.schedule)
+        assert used.capacity == decode_balanced.workspace_items(batch, plan.num_ctas)
         seq_at, first = decode_balanced.schedule(contexts, hkv, plan.num_ctas, plan.item_overhead_tokens,
                                                  table.shape[1] * block_size, 1, window[0])
         torch.cuda.synchronize()
         assert used.work_items.view(-1).view(torch.int64)[: batch + 1].tolist() == seq_at, f"contexts={contexts}"
         assert used.cta_start.tolist() == first, f"contexts={contexts} seed={seed}"
         return
-    used = _attention._workspace(plan, q.device)
     expected = decode_plan.DecodeWorkspace.allocate(plan, q.device)
     decode_plan.build_work_list(plan, seqlens, expected)
     torch.cuda.synchronize()
@@ -182,12 +188,9 @@ def test_forced_splits_keep_the_static_schedule(seed):
     q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0, splits, out)
-    num_sms, name = _attention._device_info(q.device)
-    plan = decode_plan.make_plan(batch, table.shape[1] * block_size, 1, hkv * group, hkv, d, block_size, num_sms,
-                                 -1, splits, name)
-    assert plan.max_items > plan.num_ctas, plan  # the scheduled (not direct) static path
-    used = _attention._workspace(plan, q.device)
+    decode, _, _ = _split_decode(q, k_cache, v_cache, seqlens, table, num_splits=splits, out=out)
+    plan, used = decode.split_plan, decode.workspace
+    assert plan.max_items > plan.num_ctas and not decode.balanced, plan  # the scheduled (not direct) static path
     expected = decode_plan.DecodeWorkspace.allocate(plan, q.device)
     decode_plan.build_work_list(plan, seqlens, expected)
     torch.cuda.synchronize()
@@ -212,7 +215,7 @@ def test_direct_and_scheduled_modes_agree_with_the_reference(batch, contexts, se
                                  -1, 0, name)
     assert (plan.max_items <= plan.num_ctas) == (batch == 3), plan  # the two cases cover the two modes
     out = torch.full_like(q, float("nan"))
-    _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0, 0, out)
+    _split_decode(q, k_cache, v_cache, seqlens, table, out=out)
     ref, _ = reference.decode(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0)
     live = seqlens > 0
     assert_close(out[live], ref[live], rel=2e-2, atol=2e-2, what=f"batch={batch} seed={seed}")
@@ -257,11 +260,9 @@ def test_balanced_mode_on_ragged_batches_and_wide_tables(contexts, width, seed):
     q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     out = torch.full_like(q, float("nan"))
-    _, lse = _attention._decode_split(q, k_cache, v_cache, seqlens, table, d**-0.5, True, (-1, -1), 0.0, 0, out)
+    decode, _, lse = _split_decode(q, k_cache, v_cache, seqlens, table, out=out)
     ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table)
-    num_sms, name = _attention._device_info(q.device)
-    plan = decode_plan.make_plan(batch, width, 1, hkv * group, hkv, d, block_size, num_sms, -1, 0, name)
-    assert _attention.balanced_mode(plan), plan
+    assert decode.balanced and decode.split_plan.max_context == width, decode.split_plan
     what = f"balanced contexts={contexts} width={width} seed={seed}"
     live = seqlens > 0
     assert_close(out[live], ref_out[live], rel=2e-2, atol=2e-2, what=what)
@@ -290,20 +291,21 @@ def test_column_slice_of_a_wide_table(seed):
 
 @pytest.mark.parametrize("mode", ["static", "balanced"])
 def test_layers_of_a_step_reuse_the_schedule(mode, seed, monkeypatch):
-    """Three "layers" of a step (their own caches and queries; the step's lengths tensor and one schedule_token):
-    the first builds the work list, the others reuse it (no schedule worked out); a call with other lengths in between
-    rebuilds the buffer, and the step's next layer must rebuild too. Then the step under CUDA-graph capture (a
-    fresh token, as vLLM's builder gives each capture run), replayed with changed lengths. Every output against
-    the reference."""
+    """Four "layers" of a step (their own caches and queries; one PagedDecode of the step's lengths): the first run
+    builds the work list, the others reuse it (no schedule worked out); another plan's run on the same pool in
+    between rebuilds the buffers, and the step's next layer must rebuild too. Then the step under CUDA-graph
+    capture (a plan of its own, as vLLM's captured runs have), replayed with changed lengths. Every output
+    against the reference."""
     rng = random.Random(seed)
     hkv, group, d, block_size = 2, 4, 128, 16
     if mode == "static":
         batch, width, longest = 64, 6000, 6000
     else:  # short contexts under a max_model_len-wide table: balanced mode
         batch, width, longest = 8, 131072, 1024
-    decisions = []
-    real = _attention._reuses_schedule
-    monkeypatch.setattr(_attention, "_reuses_schedule", lambda *a: decisions.append(real(*a)) or decisions[-1])
+    reused = []
+    claim = _attention.PagedDecode._claim_schedule
+    monkeypatch.setattr(_attention.PagedDecode, "_claim_schedule",
+                        lambda decode: reused.append(claim(decode)) or reused[-1])
 
     def lengths():
         return [rng.randint(1, longest) for _ in range(batch)]
@@ -321,31 +323,33 @@ def test_layers_of_a_step_reuse_the_schedule(mode, seed, monkeypatch):
             ref, _ = reference.decode(q, k_cache, v_cache, lens, table)
             assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"{mode} layer {i} {what} seed={seed}")
 
+    def plan(lens, table):
+        return _attention.PagedDecode(pool).plan(lens, table, num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=d,
+                                                 page_size=block_size)
+
+    pool = _attention.DecodeWorkspacePool()
     layers = [layer() for _ in range(4)]
     lens = torch.tensor(lengths(), dtype=torch.int32, device="cuda")
-    num_sms, name = _attention._device_info(lens.device)
-    table_width = layers[0][3].shape[1] * block_size  # every layer's: one plan
-    plan = decode_plan.make_plan(batch, table_width, 1, hkv * group, hkv, d, block_size, num_sms, -1, 0, name)
-    assert _attention.balanced_mode(plan) == (mode == "balanced"), plan
-    token = ("test step", seed)
+    decode = plan(lens, layers[0][3])  # every layer's table has one width: one plan
+    assert decode.balanced == (mode == "balanced"), decode.split_plan
     for q, k_cache, v_cache, table, out in layers[:3]:
-        tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, out=out, schedule_token=token)
-    q, k_cache, v_cache, table, _ = layer()  # another call on the same workspace, with other lengths
+        decode.run(q, k_cache, v_cache, out, block_table=table)
+    q, k_cache, v_cache, table, _ = layer()  # another plan on the same buffers, with other lengths
     other = torch.tensor(lengths(), dtype=torch.int32, device="cuda")
-    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, other, table)
+    plan(other, table).run(q, k_cache, v_cache)
     q, k_cache, v_cache, table, out = layers[3]
-    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, out=out, schedule_token=token)
+    decode.run(q, k_cache, v_cache, out, block_table=table)
     torch.cuda.synchronize()
-    assert decisions == [False, True, True, False, False]
+    assert reused == [False, True, True, False, False]
     check(layers, lens, "eager")
 
-    decisions.clear()
+    reused.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        capture_token = ("captured step", seed)
+        captured = plan(lens, layers[0][3])
         for q, k_cache, v_cache, table, out in layers:
-            tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, out=out, schedule_token=capture_token)
-    assert decisions == [False, True, True, True]
+            captured.run(q, k_cache, v_cache, out, block_table=table)
+    assert reused == [False, True, True, True]
     for replay in range(2):
         lens.copy_(torch.tensor(lengths(), dtype=torch.int32))
         for _, _, _, _, out in layers:
@@ -353,3 +357,47 @@ def test_layers_of_a_step_reuse_the_schedule(mode, seed, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         check(layers, lens, f"graph replay {replay}")
+
+
+def test_captured_and_eager_runs_of_one_plan_each_build_the_schedule(seed):
+    """vLLM warms up and captures with one metadata, so one plan: its captured run must build the schedule (a
+    replay comes with new lengths; the warm-up's schedule is stale), and an eager run after a capture must build it
+    too (the captured run executed nothing). Replays and eager runs against the reference."""
+    rng = random.Random(seed)
+    batch, hkv, group, d, block_size = 64, 2, 4, 128, 16
+    k_cache, v_cache, table = _cache(rng, batch, [6000] * batch, block_size, hkv, d)
+    q = torch.randn(batch, 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+
+    def lengths():
+        return torch.tensor([rng.randint(1, 6000) for _ in range(batch)], dtype=torch.int32)
+
+    def planned(lens):
+        decode = _attention.PagedDecode(_attention.DecodeWorkspacePool()).plan(
+            lens, table, num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=d, page_size=block_size)
+        assert decode.split_plan.max_items > decode.split_plan.num_ctas  # a schedule to work out
+        return decode
+
+    def check(out, lens, what):
+        torch.cuda.synchronize()
+        assert_close(out, reference.decode(q, k_cache, v_cache, lens, table)[0], rel=2e-2, atol=2e-2,
+                     what=f"{what} seed={seed}")
+
+    lens = lengths().cuda()
+    out = torch.full_like(q, float("nan"))
+    warm = planned(lens)
+    warm.run(q, k_cache, v_cache, out)  # eager warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        warm.run(q, k_cache, v_cache, out)
+    lens.copy_(lengths())
+    out.fill_(float("nan"))
+    graph.replay()
+    check(out, lens, "replay after an eager warm-up")
+
+    fresh = planned(lens)  # uninitialised buffers
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fresh.run(q, k_cache, v_cache, out)
+    out.fill_(float("nan"))
+    fresh.run(q, k_cache, v_cache, out)
+    check(out, lens, "eager after a capture")

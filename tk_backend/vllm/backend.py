@@ -6,8 +6,9 @@ default. `kv_cache_views` exposes its K and V halves as [num_blocks, block_size,
 strided views, without copies; the TK ops read such paged views directly.
 
 Per layer and step: vLLM's `reshape_and_cache_flash` writes the new keys and values into those views
-(`do_kv_cache_update`), then `forward` attends with `flash_attn_with_kvcache` (uniform decode batches) or the
-paged `flash_attn_varlen_func` (everything else). See metadata.py for how a batch is classified.
+(`do_kv_cache_update`), then `forward` attends with the step's paged decode plan (metadata.DecodeStep: uniform decode
+batches, and a mixed batch's leading one-token requests) and the paged `flash_attn_varlen_func` (everything else).
+See metadata.py for how a batch is classified.
 
 Anything the kernels do not implement is refused through vLLM's own validation hooks (so selecting TK for such a
 model fails at start-up with vLLM's "Selected backend ... is not valid" and our reasons), or, for what those
@@ -22,7 +23,7 @@ from vllm._custom_ops import reshape_and_cache_flash
 from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionType
 
-from tk_backend.attention import BLOCK_SIZES, HEAD_DIMS, flash_attn_varlen_func, flash_attn_with_kvcache
+from tk_backend.attention import BLOCK_SIZES, HEAD_DIMS, flash_attn_varlen_func
 from tk_backend.vllm import BACKEND_NAME, compat
 from tk_backend.vllm.metadata import TKAttentionMetadata, TKAttentionMetadataBuilder
 
@@ -36,20 +37,6 @@ def kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
     # A dim of size 1 (one KV head per rank under tensor parallelism) may carry a stride the copy engine
     # rejects; any stride is equivalent there, so give it the canonical one.
     return canonicalize_singleton_dim_strides(key_cache), canonicalize_singleton_dim_strides(value_cache)
-
-
-def step_block_table(block_table: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
-    """The columns of vLLM's block table a step can read. The table is max_model_len wide, and the decode
-    planner sizes its split for the table's width: short contexts under a 128k-token table ran at 0.38-0.75x
-    FA3 (bench table131072 cases). An eager step (mixed batches under piecewise CUDA graphs, or no graphs)
-    passes only the pages max_seq_len needs, rounded up to a power of two so that few plans are made (make_plan
-    is cached). While a CUDA graph is captured the full width stays: the captured plan must hold every later
-    replay's contexts."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return block_table
-    pages = max(-(-max_seq_len // block_size), 1)
-    width = 1 << (pages - 1).bit_length()
-    return block_table[:, :width] if width < block_table.shape[1] else block_table
 
 
 class TKAttentionBackend(AttentionBackend):
@@ -260,23 +247,14 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         md = attn_metadata
         key_cache, value_cache = self._cache_views(kv_cache)
         rows = md.decode_batch * md.decode_query_len
-        table = step_block_table(md.block_table, md.max_seq_len, key_cache.shape[1])
         if md.is_uniform_decode and query.shape[0] >= rows:
-            shape = (md.decode_batch, md.decode_query_len, self.num_heads, self.head_size)
-            flash_attn_with_kvcache(
-                query[:rows].view(shape), key_cache, value_cache, md.seq_lens, table,
-                softmax_scale=self.scale, causal=True, window_size=self.window_size, softcap=self.softcap,
-                out=output[:rows].view(shape), schedule_token=md.schedule_token,
-            )
+            md.decode.run(query[:rows], key_cache, value_cache, output[:rows], softmax_scale=self.scale,
+                          window_size=self.window_size, softcap=self.softcap)
             return output
         n, d = md.num_actual_tokens, md.num_decodes
         if d > 0:  # a mixed batch's leading one-token requests (metadata module docstring)
-            shape = (d, 1, self.num_heads, self.head_size)
-            flash_attn_with_kvcache(
-                query[:d].view(shape), key_cache, value_cache, md.seq_lens[:d], table[:d],
-                softmax_scale=self.scale, causal=True, window_size=self.window_size, softcap=self.softcap,
-                out=output[:d].view(shape), schedule_token=md.schedule_token,
-            )
+            md.decode.run(query[:d], key_cache, value_cache, output[:d], softmax_scale=self.scale,
+                          window_size=self.window_size, softcap=self.softcap)
         query_start_loc = md.prefill_query_start_loc if d > 0 else md.query_start_loc
         flash_attn_varlen_func(
             query[d:n], key_cache, value_cache, query_start_loc, None, md.max_query_len, md.max_seq_len,

@@ -1,14 +1,14 @@
 """Per-step attention metadata for the TK backend: which op a batch goes through, and with what.
 
 A batch whose requests all have the same query length q <= tk_backend.attention.MAX_DECODE_Q_LEN (plain
-decode: q = 1; speculative verification: q = 1 + drafts) runs through `flash_attn_with_kvcache`, whose split-KV
-plan depends only on the batch shape (batch, q, block-table width), so the call can be captured once per
-batch size in a CUDA graph and replayed for any context lengths. Everything else (prefill, chunked prefill,
-prefix-cache hits) runs through the paged `flash_attn_varlen_func`. A mixed batch is split: the builder asks vLLM
-to put single-token requests first (reorder_batch_threshold = 1), and when at least MIN_SPLIT_DECODES of them
-lead the batch they run through `flash_attn_with_kvcache` (a kv head's query heads share one tile and one read
-of its keys) and only the rest through the prefill kernel, whose 128-row query tiles a one-token request
-would mostly leave empty, once per query head.
+decode: q = 1; speculative verification: q = 1 + drafts) runs through paged decode (`attention.PagedDecode`,
+one plan a step that every layer runs: DecodeStep), whose split-KV plan depends only on the batch shape (batch, q,
+block-table width), so the step can be captured once per batch size in a CUDA graph and replayed for any context
+lengths. Everything else (prefill, chunked prefill, prefix-cache hits) runs through the paged
+`flash_attn_varlen_func`. A mixed batch is split: the builder asks vLLM to put single-token requests first
+(reorder_batch_threshold = 1), and when at least MIN_SPLIT_DECODES of them lead the batch they run through paged
+decode (a kv head's query heads share one tile and one read of its keys) and only the rest through the prefill
+kernel, whose 128-row query tiles a one-token request would mostly leave empty, once per query head.
 
 Padding: when vLLM replays a full CUDA graph it pads the batch with requests of query length 0 and context
 length 0 at the end. Those keep a batch uniform (the decode op gives a zero-length sequence no work).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 
 import torch
 from vllm.v1.attention.backend import (
@@ -26,8 +25,60 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from tk_backend.attention import MAX_DECODE_Q_LEN
+from tk_backend.attention import DEFAULT_DECODE_WORKSPACES, MAX_DECODE_Q_LEN, DecodeWorkspacePool, PagedDecode
 from tk_backend.vllm import compat
+
+
+def step_block_table(block_table: torch.Tensor, max_seq_len: int, block_size: int) -> torch.Tensor:
+    """The columns of vLLM's block table an eager step reads. The table is max_model_len wide, and the decode
+    planner sizes its split for the table's width (docs/findings/serving.md#step-block-table), so an eager step
+    (mixed batches under piecewise CUDA graphs, or no graphs) passes only the pages max_seq_len needs, rounded up
+    to a power of two so that few plans are made (make_plan is cached). A step being captured keeps the full width
+    (DecodeStep.run): the captured plan must hold every later replay's contexts."""
+    pages = max(-(-max_seq_len // block_size), 1)
+    width = 1 << (pages - 1).bit_length()
+    return block_table[:, :width] if width < block_table.shape[1] else block_table
+
+
+class DecodeStep:
+    """A step's decode requests (a uniform batch, or a mixed batch's leading one-token requests) as its layers run
+    them: build() makes it, the step's first layer of each configuration plans an attention.PagedDecode, and the
+    configuration's other layers run that plan, reusing the schedule its first run works out.
+
+    A plan needs what only forward sees: the layer's heads and window, the cache's page size (vLLM's kernel block
+    size, which may divide the KV manager's), and whether the run is being captured into a CUDA graph, which reads
+    the whole block table where an eager run reads step_block_table's columns (so the two modes plan apart)."""
+
+    def __init__(self, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int, q_len: int,
+                 workspaces: DecodeWorkspacePool, plans: dict | None = None) -> None:
+        self.seq_lens = seq_lens  # int32 [batch], device
+        self.block_table = block_table  # int32 [batch, max_blocks], device
+        self.max_seq_len = max_seq_len
+        self.q_len = q_len
+        self.workspaces = workspaces
+        self._plans: dict[tuple, PagedDecode] = {} if plans is None else plans
+
+    def with_block_table(self, block_table: torch.Tensor) -> "DecodeStep":
+        """The step over another KV-cache group's block table of the same shape (update_block_table): the same
+        plans and schedules, which depend on the table's width, not its pages."""
+        return DecodeStep(self.seq_lens, block_table, self.max_seq_len, self.q_len, self.workspaces, self._plans)
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor, *,
+            softmax_scale: float, window_size: tuple[int, int], softcap: float) -> None:
+        """One layer: query / output [batch * q_len, heads, head_size], the step's decode rows (request-major)."""
+        shape = (self.seq_lens.shape[0], self.q_len, query.shape[1], query.shape[2])
+        page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+        captured = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        table = self.block_table if captured else step_block_table(self.block_table, self.max_seq_len, page_size)
+        config = (shape[2:], page_size, num_kv_heads, window_size, captured)
+        decode = self._plans.get(config)
+        if decode is None:
+            decode = self._plans[config] = PagedDecode(self.workspaces).plan(
+                self.seq_lens, table, num_q_heads=shape[2], num_kv_heads=num_kv_heads, head_dim=shape[3],
+                page_size=page_size, q_len=self.q_len, causal=True, window_size=window_size,
+            )
+        decode.run(query.view(shape), key_cache, value_cache, output.view(shape), softmax_scale=softmax_scale,
+                   softcap=softcap, block_table=table)
 
 
 @dataclasses.dataclass
@@ -48,16 +99,13 @@ class TKAttentionMetadata:
     # shifted to start at 0).
     num_decodes: int = 0
     prefill_query_start_loc: torch.Tensor | None = None
-    # One a build (a step): the decode op's schedule_token, so the step's layers build its work list once.
-    schedule_token: int = -1
+    # The decode requests' (uniform batches: all; mixed: the first num_decodes), as every layer runs them.
+    decode: DecodeStep | None = None
 
     @property
     def is_uniform_decode(self) -> bool:
         return self.decode_batch > 0
 
-
-# Each build's schedule_token (a fresh one a step, whichever builder builds it).
-_schedule_tokens = itertools.count()
 
 # A mixed batch's leading single-token requests go through the decode op when there are at least this many;
 # fewer cost the prefill kernel little, next to the decode op's three launches. An estimate, not yet tuned.
@@ -117,6 +165,8 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_size = kv_cache_spec.head_size
+        # One pool for every builder, as every layout's workspace serves any batch size.
+        self.decode_workspaces = DEFAULT_DECODE_WORKSPACES
 
     def build(
         self,
@@ -137,19 +187,26 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
                 prefill_query_start_loc = cm.query_start_loc[num_decodes: num_reqs + 1] - num_decodes
             else:
                 num_decodes = 0
+        seq_lens, block_table = cm.seq_lens[:num_reqs], cm.block_table_tensor[:num_reqs]
+        decode = None
+        if shape is not None:
+            decode = DecodeStep(seq_lens, block_table, cm.max_seq_len, decode_query_len, self.decode_workspaces)
+        elif num_decodes > 0:
+            decode = DecodeStep(seq_lens[:num_decodes], block_table[:num_decodes], cm.max_seq_len, 1,
+                                self.decode_workspaces)
         return TKAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
             max_seq_len=cm.max_seq_len,
             query_start_loc=cm.query_start_loc[: num_reqs + 1],
-            seq_lens=cm.seq_lens[:num_reqs],
-            block_table=cm.block_table_tensor[:num_reqs],
+            seq_lens=seq_lens,
+            block_table=block_table,
             slot_mapping=cm.slot_mapping,
             decode_batch=decode_batch,
             decode_query_len=decode_query_len,
             num_decodes=num_decodes,
             prefill_query_start_loc=prefill_query_start_loc,
-            schedule_token=next(_schedule_tokens),
+            decode=decode,
         )
 
     def update_block_table(
@@ -158,4 +215,7 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
         updated = copy.copy(metadata)
         updated.block_table = blk_table[: metadata.block_table.shape[0]]
         updated.slot_mapping = slot_mapping
+        if metadata.decode is not None:
+            rows = metadata.decode.block_table.shape[0]
+            updated.decode = metadata.decode.with_block_table(updated.block_table[:rows])
         return updated
