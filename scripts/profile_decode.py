@@ -48,7 +48,7 @@ def main() -> None:
 
     scale = d ** -0.5
     plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, d, page, num_sms, -1, 0, name)
-    ws = attention._workspace(plan, q.device)
+    ws = decode_plan.DecodeWorkspace.allocate(plan, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, 1, dtype=torch.float32, device="cuda")
 
@@ -56,7 +56,7 @@ def main() -> None:
         torch.ops.tk.attn_decode(q, k, v, lens, table, ws.work_items, ws.cta_start, ws.partial_out, ws.partial_lse,
                                  plan.chunk_tokens, plan.item_overhead_tokens, plan.coarsen_levels, False,
                                  decode_plan.kv_tile(plan, False), False, scale, True, -1,
-                                 -1, 0.0, out, lse)
+                                 -1, 0.0, None, out, lse)
 
     parts = {
         "public op": lambda i: tk_backend.flash_attn_with_kvcache(q, k, v, lens, table),

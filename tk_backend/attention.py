@@ -22,14 +22,17 @@ import torch
 from tk_backend import _checks, decode_balanced, decode_plan
 from tk_backend._library import lib, require_kernels
 
-HEAD_DIMS = (64, 128, 256)
+# Every head dim vLLM's FLASH_ATTN takes on sm90: multiples of 8 up to 256. Those between the kernels' tiles run on
+# the next tile up, its extra columns zero-filled on chip (csrc/kernels/prefill/policy.cuh: ragged_head_dim).
+HEAD_DIMS = tuple(range(8, 257, 8))
+TILE_HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 MAX_DECODE_Q_LEN = 16
 
 _VARLEN_ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, "
     "Tensor? block_table, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
-    "int window_left, int window_right, float softcap"
+    "int window_left, int window_right, float softcap, Tensor? sinks"
 )
 lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
 lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
@@ -44,7 +47,8 @@ lib.define(
     "Tensor(a!) work_items, Tensor(b!) cta_start, Tensor(c!) partial_out, Tensor(d!) partial_lse, "
     "int chunk_tokens, int item_overhead, int coarsen_levels, bool balanced, int kv_tile, bool reuse_schedule, "
     "float softmax_scale, "
-    "bool causal, int window_left, int window_right, float softcap, Tensor(e!) out, Tensor(f!) lse) -> ()"
+    "bool causal, int window_left, int window_right, float softcap, Tensor? sinks, Tensor(e!) out, "
+    "Tensor(f!) lse) -> ()"
 )
 
 
@@ -111,7 +115,7 @@ def _int(value: object, name: str, low: int) -> int:
 def _head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     d = q.shape[-1]
     if d not in HEAD_DIMS:
-        raise ValueError(f"head dim must be 64, 128 or 256, got {d}")
+        raise ValueError(f"head dim must be a multiple of 8 between 8 and 256, got {d}")
     for t, name in ((k, "k"), (v, "v")):
         if t.shape[-1] != d:
             raise ValueError(f"{name} head dim must equal q's ({d}), got {t.shape[-1]}")
@@ -178,6 +182,19 @@ def _out(out: object, q: torch.Tensor, expected: tuple[int, ...]) -> torch.Tenso
     _checks.shape(out, "out", expected)
     _addressable(out, "out")
     return out
+
+
+def validate_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
+    """Attention sinks: None, or float32 [q_heads] on q's device (one logit per query head, as vLLM's and FA3's
+    s_aux), at head dims 64, 128 and 256."""
+    if sinks is None:
+        return None
+    sinks = _checks.tensor(sinks, "sinks", dtypes=(torch.float32,))
+    _checks.same_device(sinks, q, "sinks", "q")
+    _checks.shape(sinks, "sinks", (q.shape[-2],))
+    if q.shape[-1] not in TILE_HEAD_DIMS:
+        raise ValueError(f"attention sinks need head dim 64, 128 or 256, got {q.shape[-1]}")
+    return sinks.contiguous()
 
 
 def check_block_table(block_table: torch.Tensor, seqlens_k: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -321,7 +338,7 @@ def validate_decode_plan(
     if hq % hkv:
         raise ValueError(f"num_q_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
     if _int(head_dim, "head_dim", 1) not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be 64, 128 or 256, got {head_dim}")
+        raise ValueError(f"head_dim must be a multiple of 8 between 8 and 256, got {head_dim}")
     if _int(page_size, "page_size", 1) not in BLOCK_SIZES:
         raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size}")
     _int(num_splits, "num_splits", 0)
@@ -338,7 +355,7 @@ def _addressable_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-            scale, causal, window, softcap, out) -> tuple[torch.Tensor, torch.Tensor]:
+            scale, causal, window, softcap, out, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on validated inputs."""
     q = _addressable_copy(q)
     if block_table is None:
@@ -347,7 +364,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seq
         seqlens = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         check_block_table(block_table, seqlens, k.shape[0], k.shape[1])
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-            scale, causal, window[0], window[1], softcap)
+            scale, causal, window[0], window[1], softcap, sinks)
     if out is None:
         return torch.ops.tk.attn_varlen(*args)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
@@ -371,6 +388,7 @@ def flash_attn_varlen_func(
     seqused_k: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over packed variable-length sequences: q [total_q, Hq, D] -> out [total_q, Hq, D].
 
@@ -378,15 +396,18 @@ def flash_attn_varlen_func(
     one, e.g. halves of a combined K|V cache) addressed through block_table [batch, max_blocks]. Sequence b's
     keys number seqused_k[b] if given, else cu_seqlens_k[b+1] - cu_seqlens_k[b] (cu_seqlens_k may be None
     with seqused_k, as vLLM calls it). max_seqlen_q/k must bound the true lengths (they size the grid).
+    sinks [Hq] float32 (attention sinks, vLLM's / FA3's s_aux): a logit per query head that joins every row's
+    softmax denominator and attends to nothing; the lse then includes it. Head dims: multiples of 8 up to 256.
     Returns out, or (out, lse [Hq, total_q] float32) with return_softmax_lse.
     """
     scale, window, softcap = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
         softcap, block_table, seqused_k, out,
     )
+    sinks = validate_sinks(sinks, q)
     require_kernels(q)
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                       scale, causal, window, softcap, out)
+                       scale, causal, window, softcap, out, sinks)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -400,12 +421,14 @@ def flash_attn_func(
     softcap: float = 0.0,
     out: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over a batch of equal-length sequences: q [B, Nq, Hq, D], k/v [B, Nk, Hkv, D] -> [B, Nq, Hq, D].
 
-    Returns out, or (out, lse [B, Hq, Nq] float32) with return_softmax_lse.
+    sinks as in flash_attn_varlen_func. Returns out, or (out, lse [B, Hq, Nq] float32) with return_softmax_lse.
     """
     scale, window, softcap = validate_dense(q, k, v, softmax_scale, causal, window_size, softcap, out)
+    sinks = validate_sinks(sinks, q)
     require_kernels(q)
     bsz, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
@@ -413,7 +436,7 @@ def flash_attn_func(
     cu_k = torch.arange(0, (bsz + 1) * nk, nk, dtype=torch.int32, device=q.device)
     flat_out = out.view(bsz * nq, hq, d) if out is not None and out.is_contiguous() else None
     o, lse = _varlen(q.reshape(bsz * nq, hq, d), k.reshape(bsz * nk, hkv, d), v.reshape(bsz * nk, hkv, d),
-                     cu_q, cu_k, None, None, nq, nk, scale, causal, window, softcap, flat_out)
+                     cu_q, cu_k, None, None, nq, nk, scale, causal, window, softcap, flat_out, sinks)
     if out is not None and flat_out is None:
         out.copy_(o.view(bsz, nq, hq, d))
     o = out if out is not None else o.view(bsz, nq, hq, d)
@@ -589,11 +612,13 @@ class PagedDecode:
         softcap: float = 0.0,
         block_table: torch.Tensor | None = None,
         return_softmax_lse: bool = False,
+        sinks: torch.Tensor | None = None,
     ):
         """One layer: q [batch, q_len, Hq, D] against caches [num_blocks, page_size, Hkv, D] (the new tokens already
         written), over the planned lengths and block table. block_table replaces the planned one by another of its
         shape (another KV-cache group's pages of the same requests: the schedule depends on the table's width, not
-        its pages). Returns out [batch, q_len, Hq, D], or (out, lse [batch, Hq, q_len] float32)."""
+        its pages). sinks: the layer's attention sinks (flash_attn_varlen_func). Returns out [batch, q_len, Hq, D],
+        or (out, lse [batch, Hq, q_len] float32)."""
         if self.cache_seqlens is None:
             raise RuntimeError("PagedDecode.run() needs a plan(): call plan() first")
         if isinstance(q, torch.Tensor) and tuple(q.shape) != self.q_shape:
@@ -601,6 +626,7 @@ class PagedDecode:
         table = self.block_table if block_table is None else block_table
         scale, _, softcap = validate_decode(q, k_cache, v_cache, self.cache_seqlens, table, softmax_scale,
                                             self.causal, self.window, softcap, self.num_splits, out)
+        sinks = validate_sinks(sinks, q)
         planned = (self.page_size, self.num_kv_heads)
         if tuple(k_cache.shape[1:3]) != planned:
             raise ValueError(f"k_cache must have the planned page size and kv heads {planned} (dimensions 1 and 2), "
@@ -609,20 +635,20 @@ class PagedDecode:
             raise ValueError(f"block_table must have the planned shape {tuple(self.block_table.shape)}, got "
                              f"{tuple(table.shape)}")
         require_kernels(q)
-        return self._run(q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse)
+        return self._run(q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse, sinks)
 
-    def _run(self, q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse):
+    def _run(self, q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse, sinks=None):
         """run() on validated arguments."""
         if _block_table_check_wanted(table):
             check_block_table(table, self.cache_seqlens, k_cache.shape[0], self.page_size)
         if self.split_plan is None:
             out, lse = _decode_on_prefill_kernel(q, k_cache, v_cache, self.cache_seqlens, table, scale, self.causal,
-                                                 self.window, softcap, out)
+                                                 self.window, softcap, out, sinks)
         else:
-            out, lse = self._run_split(q, k_cache, v_cache, table, scale, softcap, out)
+            out, lse = self._run_split(q, k_cache, v_cache, table, scale, softcap, out, sinks)
         return (out, lse) if return_softmax_lse else out
 
-    def _run_split(self, q, k_cache, v_cache, table, scale, softcap, out):
+    def _run_split(self, q, k_cache, v_cache, table, scale, softcap, out, sinks):
         plan, ws = self.split_plan, self.workspace
         q = _addressable_copy(q)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -630,8 +656,8 @@ class PagedDecode:
         torch.ops.tk.attn_decode(
             q, k_cache, v_cache, self.cache_seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,
             ws.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens, plan.coarsen_levels, self.balanced,
-            self.kv_tile, self._claim_schedule(), scale, self.causal, self.window[0], self.window[1], softcap, out,
-            lse,
+            self.kv_tile, self._claim_schedule(), scale, self.causal, self.window[0], self.window[1], softcap, sinks,
+            out, lse,
         )
         return out, lse
 
@@ -656,7 +682,8 @@ def _check_split_plan(plan, batch, max_context, q_len, num_q_heads, num_kv_heads
         raise ValueError(f"split_plan needs q_len x (q heads per kv head) <= 64 rows, got {q_len * plan.group}")
 
 
-def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, out):
+def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, out,
+                              sinks=None):
     """Decode on the paged prefill kernel, where each sequence's q_len queries are the last q_len positions of its
     keys: for more rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill)."""
     bsz, q_len, hq, d = q.shape
@@ -664,7 +691,7 @@ def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, s
     cu_q = torch.arange(0, (bsz + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
     flat_out = out.view(bsz * q_len, hq, d) if out is not None and out.is_contiguous() else None
     o, lse = _varlen(q.reshape(bsz * q_len, hq, d), k_cache, v_cache, cu_q, None, cache_seqlens, block_table,
-                     q_len, max_context, scale, causal, window, softcap, flat_out)
+                     q_len, max_context, scale, causal, window, softcap, flat_out, sinks)
     if out is not None and flat_out is None:
         out.copy_(o.view(bsz, q_len, hq, d))
     out = out if out is not None else o.view(bsz, q_len, hq, d)
@@ -684,6 +711,7 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     out: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """Paged decode: q [B, q_len, Hq, D] (q_len 1..16) against caches [num_blocks, block_size, Hkv, D].
 
@@ -691,7 +719,7 @@ def flash_attn_with_kvcache(
     already be written to the cache). When the q_len x (Hq / Hkv) query rows of a kv head fit one 64-row
     tile, this runs the split-KV decode kernel on decode_plan's per-shape plan (num_splits > 0 forces the
     split count); larger groups run on the paged prefill kernel. Returns out [B, q_len, Hq, D], or
-    (out, lse [B, Hq, q_len] float32) with return_softmax_lse.
+    (out, lse [B, Hq, q_len] float32) with return_softmax_lse. sinks as in flash_attn_varlen_func.
 
     One call plans and runs; the layers of a step share one plan through PagedDecode (its schedule is worked out
     once a step, not once a layer).
@@ -699,8 +727,9 @@ def flash_attn_with_kvcache(
     scale, window, softcap = validate_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, num_splits, out,
     )
+    sinks = validate_sinks(sinks, q)
     require_kernels(q)
     _, q_len, hq, d = q.shape
     decode = PagedDecode()._plan(cache_seqlens, block_table, hq, k_cache.shape[2], d, k_cache.shape[1], q_len,
                                  causal, window, num_splits)
-    return decode._run(q, k_cache, v_cache, block_table, scale, softcap, out, return_softmax_lse)
+    return decode._run(q, k_cache, v_cache, block_table, scale, softcap, out, return_softmax_lse, sinks)

@@ -113,13 +113,18 @@ class DecodePlan:
         return item_overhead_tokens(self.q_len * self.group, self.head_dim)
 
 
+def tile_head_dim(head_dim: int) -> int:
+    """The kernel tile a head dim runs on (64, 128 or 256 columns): partial outputs keep the tile's columns."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
 @dataclasses.dataclass
 class DecodeWorkspace:
     """Device buffers of one plan; allocate once (e.g. before graph capture) and reuse on every step."""
 
     work_items: torch.Tensor  # int32 [max_items, 4]: (sequence, kv head, key start, key end)
     cta_start: torch.Tensor  # int32 [num_ctas + 1]: CTA c runs slots [cta_start[c], cta_start[c + 1])
-    partial_out: torch.Tensor  # float32 [max_items, q_len, group, head_dim]
+    partial_out: torch.Tensor  # float32 [max_items, q_len, group, tile_head_dim(head_dim)]
     partial_lse: torch.Tensor  # float32 [max_items, q_len, group]
 
     @classmethod
@@ -134,7 +139,8 @@ class DecodeWorkspace:
         return cls(
             work_items=torch.empty(n, 4, dtype=torch.int32, device=device),
             cta_start=torch.empty(plan.num_ctas + 1, dtype=torch.int32, device=device),
-            partial_out=torch.empty(n, plan.q_len, plan.group, plan.head_dim, dtype=torch.float32, device=device),
+            partial_out=torch.empty(n, plan.q_len, plan.group, tile_head_dim(plan.head_dim), dtype=torch.float32,
+                                    device=device),
             partial_lse=torch.empty(n, plan.q_len, plan.group, dtype=torch.float32, device=device),
         )
 

@@ -65,6 +65,7 @@ def attention(
     softcap: float = 0.0,
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_varlen_func in float32: returns out [total_q, Hq, D] and lse [Hq, total_q] (natural log).
 
@@ -76,6 +77,9 @@ def attention(
     A query row that sees no key (causal with more queries than keys, or a window that excludes everything)
     gets out = 0 and lse = -inf: the log of an empty sum, which merges correctly with other partial results.
     (flash-attn itself reports +inf there.)
+
+    sinks [Hq] (attention sinks, gpt-oss): one logit per query head that joins every row's softmax denominator and
+    attends to nothing; lse then includes it (a row that sees no key: out 0, lse = its sink).
     """
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
@@ -96,6 +100,8 @@ def attention(
             s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~visible_keys(q1 - q0, lk, causal, window_size, q.device), -math.inf)
         row_lse = torch.logsumexp(s, dim=-1)
+        if sinks is not None:
+            row_lse = torch.logaddexp(row_lse, sinks.float()[:, None].expand_as(row_lse))
         # A finite floor keeps exp(s - lse) at 0 instead of NaN for rows that see no key.
         p = torch.exp(s - row_lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, vb)
@@ -137,6 +143,7 @@ def decode(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache on paged caches, in float32: out [B, q_len, Hq, D], lse [B, Hq, q_len].
 
@@ -146,7 +153,7 @@ def decode(
     bsz, q_len, hq, _ = q.shape
     out, lse = attention(
         q.reshape(bsz * q_len, hq, -1), k_cache, v_cache, _uniform_cu_seqlens(bsz, q_len, q.device), None,
-        softmax_scale, causal, window_size, softcap, block_table=block_table, seqused_k=cache_seqlens,
+        softmax_scale, causal, window_size, softcap, block_table=block_table, seqused_k=cache_seqlens, sinks=sinks,
     )
     return out.view(bsz, q_len, hq, -1), lse.view(hq, bsz, q_len).transpose(0, 1)
 

@@ -22,7 +22,7 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const std::optional<at::Tensor>& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
                      const std::optional<at::Tensor>& block_table, int64_t max_seqlen_q, int64_t max_seqlen_k,
                      double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-                     at::Tensor& out, at::Tensor& lse) {
+                     const std::optional<at::Tensor>& sinks, at::Tensor& out, at::Tensor& lse) {
   chk::cuda(q, "q");
   chk::half_or_bf16(q, "q");
   chk::rank(q, 3, "q");
@@ -33,7 +33,7 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   chk::rank(k, paged ? 4 : 3, "k");
   chk::rank(v, paged ? 4 : 3, "v");
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 64 || d == 128 || d == 256, "head dim must be 64, 128 or 256, got ", d);
+  chk::attention_head_dim(d);
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, "k and v must have head dim ", d);
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
@@ -84,6 +84,7 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
   p.max_seqlen_k = int(std::max<int64_t>(max_seqlen_k, 1));
+  p.sinks = chk::attention_sinks(sinks, q, hq, d);
   at::Tensor task_counter;
   if (tk::attn_varlen_claims(p)) {
     task_counter = at::empty({1}, q.options().dtype(at::kInt));
@@ -98,12 +99,13 @@ std::tuple<at::Tensor, at::Tensor> attn_varlen(const at::Tensor& q, const at::Te
                                                const std::optional<at::Tensor>& seqused_k,
                                                const std::optional<at::Tensor>& block_table, int64_t max_seqlen_q,
                                                int64_t max_seqlen_k, double softmax_scale, bool causal,
-                                               int64_t window_left, int64_t window_right, double softcap) {
+                                               int64_t window_left, int64_t window_right, double softcap,
+                                               const std::optional<at::Tensor>& sinks) {
   chk::rank(q, 3, "q");
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   attn_varlen_out(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                  softmax_scale, causal, window_left, window_right, softcap, out, lse);
+                  softmax_scale, causal, window_left, window_right, softcap, sinks, out, lse);
   return {out, lse};
 }
 

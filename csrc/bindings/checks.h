@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 #include <array>
+#include <optional>
 #include <string>
 
 namespace tk::checks {
@@ -39,6 +40,23 @@ inline void tma_rows(const at::Tensor& t, const char* name) {
   for (int64_t d = 0; d + 1 < t.dim(); d++)
     TORCH_CHECK(t.size(d) == 1 || (t.stride(d) * esize) % 16 == 0, name, " stride ", d, " (", t.stride(d),
                 " elements) must be a multiple of 16 bytes");
+}
+
+// Attention head dims: any multiple of 8 up to 256 (those between 64, 128 and 256 run on the next tile up).
+inline void attention_head_dim(int64_t d) {
+  TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 256, "head dim must be a multiple of 8 between 8 and 256, got ", d);
+}
+inline int64_t attention_tile_dim(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+// Attention sinks: float32 [hq] on q's device, one logit per query head; at the tile head dims only.
+inline const float* attention_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor& q, int64_t hq,
+                                    int64_t d) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat, "sinks must be float32, got ", sinks->scalar_type());
+  same_device(*sinks, q, "sinks", "q");
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == hq && sinks->is_contiguous(),
+              "sinks must be a contiguous [q_heads] = [", hq, "] tensor, got shape ", sinks->sizes());
+  TORCH_CHECK(attention_tile_dim(d) == d, "attention sinks need head dim 64, 128 or 256, got ", d);
+  return sinks->data_ptr<float>();
 }
 
 // Multiprocessors of `device`, read once per device (persistent grids size themselves from it).

@@ -25,7 +25,7 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
                  int64_t item_overhead, int64_t coarsen_levels, bool balanced, int64_t kv_tile, bool reuse_schedule,
                  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-                 at::Tensor& out, at::Tensor& lse) {
+                 const std::optional<at::Tensor>& sinks, at::Tensor& out, at::Tensor& lse) {
   chk::cuda(q, "q");
   chk::half_or_bf16(q, "q");
   chk::rank(q, 4, "q");
@@ -35,7 +35,8 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   chk::like(v_cache, q, "v_cache", "q");
   chk::like(out, q, "out", "q");
   const int64_t batch = q.size(0), q_len = q.size(1), hq = q.size(2), d = q.size(3), hkv = k_cache.size(2);
-  TORCH_CHECK(d == 64 || d == 128 || d == 256, "head dim must be 64, 128 or 256, got ", d);
+  chk::attention_head_dim(d);
+  const int64_t tile_d = chk::attention_tile_dim(d);  // partials keep the tile's columns
   TORCH_CHECK(k_cache.size(3) == d && v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must be [blocks, ",
               "block_size, kv_heads, ", d, "]");
   TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "q heads (", hq, ") must be a multiple of kv heads (", hkv, ")");
@@ -68,8 +69,8 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   }
   float_contiguous(partial_out, q, "partial_out");
   float_contiguous(partial_lse, q, "partial_lse");
-  TORCH_CHECK(partial_out.numel() == max_items * rows * d && partial_lse.numel() == max_items * rows,
-              "partial_out / partial_lse must be [max_items, q_len, group, D] / [max_items, q_len, group]");
+  TORCH_CHECK(partial_out.numel() == max_items * rows * tile_d && partial_lse.numel() == max_items * rows,
+              "partial_out / partial_lse must be [max_items, q_len, group, ", tile_d, "] / [max_items, q_len, group]");
   float_contiguous(lse, q, "lse");
   TORCH_CHECK(lse.numel() == batch * hq * q_len, "lse must be [batch, q_heads, q_len]");
   TORCH_CHECK(chunk_tokens > 0 && chunk_tokens % k_cache.size(1) == 0,
@@ -77,8 +78,8 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   TORCH_CHECK(item_overhead >= 0, "item_overhead must be >= 0, got ", item_overhead);
   TORCH_CHECK(coarsen_levels >= 0 && coarsen_levels <= tk::DECODE_MAX_COARSEN_LEVELS,
               "coarsen_levels must be in [0, ", tk::DECODE_MAX_COARSEN_LEVELS, "], got ", coarsen_levels);
-  TORCH_CHECK(kv_tile == 128 || (kv_tile == 64 && d == 128),
-              "kv_tile must be 128, or 64 at head dim 128; got ", kv_tile, " at head dim ", d);
+  TORCH_CHECK(kv_tile == 128 || (kv_tile == 64 && tile_d == 128),
+              "kv_tile must be 128, or 64 at head dims 72-128; got ", kv_tile, " at head dim ", d);
   const int64_t max_context = block_table.size(1) * k_cache.size(1);
 
   const c10::cuda::CUDAGuard guard(q.device());
@@ -124,6 +125,7 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.window_right = int(window_right);
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
+  p.sinks = chk::attention_sinks(sinks, q, hq, d);
   tk::attn_decode(p, c10::cuda::getCurrentCUDAStream());
 }
 

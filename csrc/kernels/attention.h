@@ -30,6 +30,7 @@ struct attn_varlen_problem {
   int window_left, window_right;  // -1: unbounded
   float softmax_scale, softcap;   // softcap 0: off
   int* task_counter;  // when attn_varlen_claims: int32 [1], device, any value (zeroed on the stream); else unused
+  const float* sinks;  // [hq] float32 attention-sink logits (tk::attn::apply_sinks), or null
 };
 
 void attn_varlen(const attn_varlen_problem& p, int num_sms, cudaStream_t stream);
@@ -70,6 +71,7 @@ struct attn_decode_problem {
   bool causal;
   int window_left, window_right;
   float softmax_scale, softcap;
+  const float* sinks;  // [hq] float32 attention-sink logits, or null
 };
 
 void attn_decode(const attn_decode_problem& p, cudaStream_t stream);

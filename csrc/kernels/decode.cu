@@ -1,99 +1,18 @@
-// Split-KV paged decode on kittens: the host side. A launch picks its kernel variant from the policy table
-// (decode/policy.cuh) and runs schedule (balanced mode) -> decode -> merge, each chained to the one before.
-#include "../kittens/kittens.cuh"
+// Split-KV paged decode on kittens: the host entry point. A launch picks its kernel variant from the policy table
+// (decode/policy.cuh) and runs it (decode/launch.cuh).
 #include "attention.h"
-#include "decode/kernel.cuh"
-#include "decode/merge.cuh"
-#include "decode/schedule.cuh"
-
-using namespace kittens;
-
-namespace tk::decode {
-namespace {
-
-// The kernel as this translation unit's own (internal linkage: a `.entry`, not an exported one, as ptxas lays it out).
-template <typename T, policy P, schedule_source Source>
-struct local_kernel : attn_decode_split<T, P, Source> {};
-
-template <typename T, policy P, schedule_source Source>
-void launch(const tk::attn_decode_problem& p, cudaStream_t stream) {
-  using K = local_kernel<T, P, Source>;
-  constexpr int D = P.head_dim;
-  auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
-  const int group = p.hq / p.hkv, rows = p.q_len * group;
-  typename K::globals g{};
-  g.k = {ptr(p.k), {p.num_blocks, p.hkv, p.block_size, D}, {p.k_strides[0], p.k_strides[2], p.k_strides[1], 1}};
-  g.v = {ptr(p.v), {p.num_blocks, p.hkv, p.block_size, D}, {p.v_strides[0], p.v_strides[2], p.v_strides[1], 1}};
-  g.q = ptr(p.q);
-  for (int i = 0; i < 3; i++) g.q_strides[i] = p.q_strides[i];
-  g.cache_seqlens = p.cache_seqlens;
-  g.block_table = p.block_table;
-  g.bt_stride = p.bt_stride;
-  g.work_items = p.work_items;
-  g.cta_start = p.cta_start;
-  g.partial_out = {p.partial_out, {1, p.max_items, rows, D}};
-  g.partial_lse = p.partial_lse;
-  g.q_len = p.q_len;
-  g.group = group;
-  g.block_size = p.block_size;
-  g.causal = p.causal;
-  g.window_left = p.window_left;
-  g.window_right = p.window_right;
-  g.scale_log2 = p.softmax_scale * tk::attn::LOG2E;
-  g.softcap = p.softcap;
-  g.sched = schedule_rule_of(p);
-  g.balanced = p.balanced;
-  g.bal = balanced_rule_of<K::KV>(p);
-  g.direct = !p.balanced && p.max_items <= p.num_ctas;  // one slot per CTA: nothing to balance
-  g.single = !p.balanced && p.max_splits == 1;
-  g.out = static_cast<T*>(p.out);
-  for (int i = 0; i < 3; i++) g.out_strides[i] = p.out_strides[i];
-  g.lse = p.lse;
-  g.hq = p.hq;
-  if (g.balanced) {
-    if (!p.reuse_schedule) {
-      build_balanced<K::KV><<<1, SCHEDULE_THREADS, 0, stream>>>(p);
-      TK_LAUNCH_CHECK();
-    }
-    lcsf::launch<K>(g, p.num_ctas, stream);
-    chain::launch(merge_balanced<T, K::KV>, p.batch * p.hkv * rows, D, 2 * (p.num_ctas + 1) * sizeof(int), stream, p,
-                  group);
-    return;
-  }
-  lcsf::launch<K>(g, g.direct ? p.max_items : p.num_ctas, stream);
-  if (g.single) return;
-  chain::launch(merge_partials<T>, p.batch * p.hkv * rows, D, merge_weights(p.max_splits) * sizeof(float), stream, p,
-                group);
-}
-
-// The static schedule's kernel works out its ranges itself (self_schedule) unless the step has one already (an earlier
-// layer's) or there is nothing to schedule (direct, balanced).
-template <typename T, policy P>
-void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
-  const bool direct = !p.balanced && p.max_items <= p.num_ctas;
-  if (!p.balanced && !direct && !p.reuse_schedule) return launch<T, P, schedule_source::self>(p, stream);
-  launch<T, P, schedule_source::reads>(p, stream);
-}
-
-template <typename T>
-void run_dtype(const tk::attn_decode_problem& p, cudaStream_t stream) {
-  switch (select_variant(p)) {
-    case variant::d64: return run<T, d64>(p, stream);
-    case variant::d128: return run<T, d128>(p, stream);
-    case variant::d128_kv64: return run<T, d128_kv64>(p, stream);
-    case variant::d256: return run<T, d256>(p, stream);
-  }
-}
-
-}  // namespace
-}  // namespace tk::decode
+#include "decode/launch.cuh"
 
 namespace tk {
 
+void attn_decode_with_sinks(const attn_decode_problem& p, cudaStream_t stream);   // decode_sinks.cu
+void attn_decode_ragged_head(const attn_decode_problem& p, cudaStream_t stream);  // decode_ragged.cu
+
 void attn_decode(const attn_decode_problem& p, cudaStream_t stream) {
   if (p.batch <= 0) return;
-  if (p.type == dtype::bf16) decode::run_dtype<bf16>(p, stream);
-  else decode::run_dtype<half>(p, stream);
+  if (p.sinks != nullptr) return attn_decode_with_sinks(p, stream);
+  if (p.head_dim != decode::tile_head_dim(p.head_dim)) return attn_decode_ragged_head(p, stream);
+  decode::run_problem<decode::flavour::plain>(p, stream);
 }
 
 }  // namespace tk

@@ -46,7 +46,14 @@ VARLEN_ERRORS = [
     (_varlen(k=_t(12, 2, 128, device="cpu")), ValueError, "k must be a CUDA tensor, got device cpu"),
     (_varlen(q=_t(10, 1024)), ValueError, r"q must be \[total_q, heads, head_dim\] \(3 dimensions\), got shape \(10, 1024\)"),
     (_varlen(k=_t(1, 12, 2, 128)), ValueError, r"k must be \[total_k, kv_heads, head_dim\] \(3 dimensions\)"),
-    (_varlen(q=_t(10, 8, 96), k=_t(12, 2, 96), v=_t(12, 2, 96)), ValueError, "head dim must be 64, 128 or 256, got 96"),
+    (_varlen(q=_t(10, 8, 100), k=_t(12, 2, 100), v=_t(12, 2, 100)), ValueError,
+     "head dim must be a multiple of 8 between 8 and 256, got 100"),
+    (_varlen(q=_t(10, 8, 264), k=_t(12, 2, 264), v=_t(12, 2, 264)), ValueError,
+     "head dim must be a multiple of 8 between 8 and 256, got 264"),
+    (_varlen(sinks=_t(8, dtype=torch.float16)), TypeError, "sinks must be float32"),
+    (_varlen(sinks=_t(4, dtype=torch.float32)), ValueError, r"sinks must have shape \(8,\)"),
+    (_varlen(q=_t(10, 8, 96), k=_t(12, 2, 96), v=_t(12, 2, 96), sinks=_t(8, dtype=torch.float32)), ValueError,
+     "attention sinks need head dim 64, 128 or 256, got 96"),
     (_varlen(k=_t(12, 2, 64)), ValueError, r"k head dim must equal q's \(128\), got 64"),
     (_varlen(v=_t(12, 2, 64)), ValueError, r"v head dim must equal q's \(128\), got 64"),
     (_varlen(v=_t(11, 2, 128)), ValueError, r"v must have shape \(12, 2, 128\), got \(11, 2, 128\)"),
@@ -113,7 +120,8 @@ DENSE_ERRORS = [
     (dict(q=_t(2, 5, 8, 128), k=_t(3, 7, 2, 128), v=_t(3, 7, 2, 128)), ValueError, "k must have q's batch size 2, got 3"),
     (dict(q=_t(2, 5, 8, 128), k=_t(2, 7, 2, 128), v=_t(2, 6, 2, 128)), ValueError, r"v must have shape \(2, 7, 2, 128\)"),
     (dict(q=_t(2, 0, 8, 128), k=_t(2, 7, 2, 128), v=_t(2, 7, 2, 128)), ValueError, "seqlen_q and seqlen_k >= 1"),
-    (dict(q=_t(2, 5, 8, 32), k=_t(2, 7, 2, 32), v=_t(2, 7, 2, 32)), ValueError, "head dim must be 64, 128 or 256, got 32"),
+    (dict(q=_t(2, 5, 8, 20), k=_t(2, 7, 2, 20), v=_t(2, 7, 2, 20)), ValueError,
+     "head dim must be a multiple of 8 between 8 and 256, got 20"),
     (dict(q=_t(2, 5, 8, 128), k=_t(2, 7, 2, 128), v=_t(2, 7, 2, 128), out=_t(2, 5, 8, 64)), ValueError,
      r"out must have shape \(2, 5, 8, 128\)"),
 ]
@@ -131,7 +139,8 @@ DECODE_ERRORS = [
     (_decode(q=_t(3, 8, 128)), ValueError, r"q must be \[batch, q_len, heads, head_dim\] \(4 dimensions\)"),
     (_decode(q=_t(3, 17, 8, 128)), ValueError, r"q_len \(q.shape\[1\]\) must be between 1 and 16, got 17"),
     (_decode(q=_t(3, 0, 8, 128)), ValueError, r"q_len \(q.shape\[1\]\) must be between 1 and 16, got 0"),
-    (_decode(q=_t(3, 1, 8, 96)), ValueError, "head dim must be 64, 128 or 256, got 96"),
+    (_decode(q=_t(3, 1, 8, 100)), ValueError, "head dim must be a multiple of 8 between 8 and 256, got 100"),
+    (_decode(sinks=_t(3, dtype=torch.float32)), ValueError, r"sinks must have shape \(8,\)"),
     (_decode(q=_t(3, 1, 3, 128)), ValueError, r"q's heads \(3\) must be a multiple of k_cache's heads \(2\)"),
     (_decode(k_cache=_t(20, 16, 256)), ValueError, r"k_cache must be \[num_blocks, block_size, kv_heads, head_dim\]"),
     (_decode(k_cache=_t(20, 8, 2, 128), v_cache=_t(20, 8, 2, 128)), ValueError,
@@ -166,16 +175,16 @@ def test_decode_accepts_good_input():
 
 def test_fake_shapes():
     q, k, v = _t(10, 8, 128), _t(12, 2, 128), _t(12, 2, 128)
-    out, lse = torch.ops.tk.attn_varlen(q, k, v, _i(3), _i(3), None, None, 6, 7, 0.1, True, -1, 0, 0.0)
+    out, lse = torch.ops.tk.attn_varlen(q, k, v, _i(3), _i(3), None, None, 6, 7, 0.1, True, -1, 0, 0.0, None)
     assert out.shape == (10, 8, 128) and out.dtype == torch.bfloat16 and out.device.type == "meta"
     assert lse.shape == (8, 10) and lse.dtype == torch.float32
     kv = _t(20, 16, 2, 256)
     torch.ops.tk.attn_varlen_out(q, kv[..., :128], kv[..., 128:], _i(3), None, _i(2), _i(2, 4), 6, 64, 0.1, False,
-                                 -1, -1, 0.0, _t(10, 8, 128), _t(8, 10, dtype=torch.float32))
+                                 -1, -1, 0.0, _t(8, dtype=torch.float32), _t(10, 8, 128), _t(8, 10, dtype=torch.float32))
     torch.ops.tk.attn_decode(
         _t(3, 1, 8, 128), kv[..., :128], kv[..., 128:], _i(3), _i(3, 4), _i(30, 4), _i(133),
         _t(30, 1, 4, 128, dtype=torch.float32), _t(30, 1, 4, dtype=torch.float32), 256, 64, 0, False, 128, False,
-        0.1, True, -1, 0, 0.0, _t(3, 1, 8, 128), _t(3, 8, 1, dtype=torch.float32))
+        0.1, True, -1, 0, 0.0, None, _t(3, 1, 8, 128), _t(3, 8, 1, dtype=torch.float32))
 
 
 # ------------------------------------------------------------------------------------------ block table

@@ -189,10 +189,11 @@ def test_split_and_merge_equals_reference_decode(causal, window, q_len, seed):
     for i, (b, h, start, end) in enumerate(ws.work_items.tolist()):
         if end > start:
             o, lse = _item_partial(q, k_cache, v_cache, table, lengths[b], b, h, start, end, plan.group, scale, causal, window)
-            ws.partial_out[i], ws.partial_lse[i] = o.float(), lse.float()
+            ws.partial_out[i, ..., :d], ws.partial_lse[i] = o.float(), lse.float()  # partials: the tile's columns
     valid = (ws.work_items[:, 3] > ws.work_items[:, 2]).view(len(lengths), hkv, plan.max_splits)
     shape = (len(lengths), hkv, plan.max_splits, q_len * plan.group)
-    out, lse = decode_plan.merge_partials(ws.partial_out.view(*shape, d), ws.partial_lse.view(shape), valid)
+    partial = ws.partial_out.view(*shape, decode_plan.tile_head_dim(d))[..., :d]
+    out, lse = decode_plan.merge_partials(partial, ws.partial_lse.view(shape), valid)
     # [B, Hkv, (t, g), D] -> [B, q_len, Hq, D]
     out = out.view(len(lengths), hkv, q_len, plan.group, d).permute(0, 2, 1, 3, 4).reshape(len(lengths), q_len, hq, d)
     lse = lse.view(len(lengths), hkv, q_len, plan.group).permute(0, 1, 3, 2).reshape(len(lengths), hq, q_len)
@@ -504,7 +505,7 @@ PLAN_ERRORS = [
     (dict(block_table=None), ValueError, "block_table is required"),
     (dict(num_q_heads=7), ValueError, r"num_q_heads \(7\) must be a multiple of num_kv_heads \(2\)"),
     (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1, got 0"),
-    (dict(head_dim=96), ValueError, "head_dim must be 64, 128 or 256, got 96"),
+    (dict(head_dim=100), ValueError, "head_dim must be a multiple of 8 between 8 and 256, got 100"),
     (dict(page_size=24), ValueError, "page_size must be 16, 32, 64, 128 or 256, got 24"),
     (dict(q_len=17), ValueError, "q_len must be between 1 and 16, got 17"),
     (dict(q_len=2.0), TypeError, "q_len must be an int, got float"),

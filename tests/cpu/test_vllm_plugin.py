@@ -161,7 +161,7 @@ def test_validation_accepts_supported_configurations(overrides):
 @pytest.mark.parametrize(
     "overrides,reason",
     [
-        ({"head_size": 96}, "head_size 96 not supported (TK kernels: 64, 128, 256)"),
+        ({"head_size": 100}, "head_size 100 not supported (TK kernels: multiples of 8 up to 256)"),
         ({"dtype": torch.float32}, "dtype float32 not supported"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 not supported"),
         ({"kv_cache_dtype": "fp8_e4m3"}, "fp8 KV caches are not implemented"),
@@ -195,7 +195,7 @@ def test_validation_refuses_what_only_newer_vllm_asks_about():
 @pytest.mark.parametrize(
     "kwargs,reason",
     [
-        ({"head_size": 80}, "head_size 80"),
+        ({"head_size": 100}, "head_size 100"),
         ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
         ({"attn_type": "encoder"}, "attention type encoder"),

@@ -105,10 +105,9 @@ def _dtype_name(dtype: object) -> str:
 
 def explain_refusal(reason: str, config: dict) -> str:
     """vLLM's terse reason -> one that names the received value and what the TK backend supports."""
-    sizes = ", ".join(map(str, HEAD_DIMS))
     explained = {
         "head_size not supported":
-            f"head_size {config.get('head_size')} not supported (TK kernels: {sizes})",
+            f"head_size {config.get('head_size')} not supported (TK kernels: multiples of 8 up to 256)",
         "dtype not supported":
             f"dtype {_dtype_name(config.get('dtype'))} not supported (TK kernels: bfloat16, float16)",
         "kv_cache_dtype not supported":
@@ -143,7 +142,7 @@ def unsupported_layer_reasons(
     """What an attention layer asks for that the TK kernels cannot do (empty: the layer is supported)."""
     reasons = []
     if head_size not in HEAD_DIMS:
-        reasons.append(f"head_size {head_size} (supported: {', '.join(map(str, HEAD_DIMS))})")
+        reasons.append(f"head_size {head_size} (supported: multiples of 8 up to 256)")
     if alibi_slopes is not None:
         reasons.append("ALiBi position biases")
     if kv_cache_dtype not in HALF_CACHE_DTYPES:

@@ -168,4 +168,23 @@ __device__ __forceinline__ void finalize(O& o, V& lse, const V& m, const V& l_sh
   map(lse, m, l, [es, lg2](float mx, float x) { return x > 0.f ? (mx * es + lg2(x)) * LN2 : -INFINITY; });
 }
 
+// Attention sinks (gpt-oss): a learned logit per query head that joins its rows' softmax denominators and attends to
+// nothing. A finalized row (output o normalised without the sink, natural-log lse) becomes, with sink s:
+// o * exp(lse) / (exp(lse) + exp(s)) = o * sigmoid(lse - s), and its lse logaddexp(lse, s). A row that saw no key
+// keeps o = 0 and takes lse = s. exp(s - lse) may overflow to inf: the factor is then 0, as it should be.
+__device__ __forceinline__ float sink_factor(float lse, float sink) {
+  return lse == -INFINITY ? 0.f : __fdividef(1.f, 1.f + __expf(sink - lse));
+}
+__device__ __forceinline__ float lse_with_sink(float lse, float sink) {
+  return lse == -INFINITY ? sink : fmaxf(lse, sink) + __logf(1.f + __expf(-fabsf(lse - sink)));
+}
+template <typename O, typename V>
+__device__ __forceinline__ void apply_sinks(O& o, V& lse, const V& sink) {
+  using namespace kittens;
+  V factor;
+  map(factor, lse, sink, [](float a, float s) { return sink_factor(a, s); });
+  mul_row(o, o, factor);
+  map(lse, lse, sink, [](float a, float s) { return lse_with_sink(a, s); });
+}
+
 }  // namespace tk::attn

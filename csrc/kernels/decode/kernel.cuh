@@ -22,7 +22,8 @@ struct attn_decode_split {
   using q_tile = st<T, ROWS, D>;
   using kv_tile = st<T, KV, D>;
   using piece = st<T, PIECE, D>;
-  using pages_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, D, piece>;  // (blocks, heads, block_size, D)
+  static constexpr int COLS = P.ragged_head_dim ? RUNTIME : D;   // the caches' head dim
+  using pages_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, COLS, piece>;  // (blocks, heads, block_size, head dim)
 
   struct globals {
     pages_gl k, v;
@@ -52,6 +53,8 @@ struct attn_decode_split {
     long out_strides[3];
     float* lse;  // [batch, hq, q_len]
     int hq;
+    const float* sinks;  // P.sinks: [hq] float32
+    int head_dim;        // the columns of q and out (D, or less with ragged_head_dim)
   };
   struct input_block { kv_tile k, v; };
   struct scratch_block { q_tile q; };
@@ -129,7 +132,7 @@ struct attn_decode_split {
     for (int v = warpgroup::thread(); v < ROWS * vecs_per_row; v += WARPGROUP_THREADS) {
       const int r = v / vecs_per_row, col = (v % vecs_per_row) * (16 / int(sizeof(T)));
       uint4 x{0, 0, 0, 0};
-      if (r < rows) {
+      if (r < rows && (!P.ragged_head_dim || col < g.head_dim)) {
         const int tok = r / g.group, head = t.h * g.group + r % g.group;
         x = *reinterpret_cast<const uint4*>(g.q + t.b * g.q_strides[0] + tok * g.q_strides[1] +
                                             head * g.q_strides[2] + col);
@@ -202,6 +205,15 @@ struct attn_decode_split {
     tk::attn::finalize(s.o, lse, s.m, s.l, scoring(g));
     using F = frag<row_l>;
     const int rows = g.q_len * g.group, r0 = warpgroup::warp() * 16;
+    if constexpr (P.sinks) {  // the rows' heads' sinks (padding rows: any finite value)
+      row_vec sink;
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        const int r = r0 + F::row(half, 0);
+        sink.data[0][half] = r < rows ? g.sinks[t.h * g.group + r % g.group] : 0.f;
+      }
+      tk::attn::apply_sinks(s.o, lse, sink);
+    }
 #pragma unroll
     for (int half = 0; half < 2; half++) {
       const int r = r0 + F::row(half, 0);  // fragment registers k = half, half + 2: rows +0 / +8
@@ -212,7 +224,8 @@ struct attn_decode_split {
       for (int j = 0; j < D / 16; j++)
 #pragma unroll
         for (int k = half; k < 4; k += 2)
-          *reinterpret_cast<packed<T>*>(row + 16 * j + F::col(k, 0)) = convert<packed<T>>(s.o.data[0][j][k]);
+          if (!P.ragged_head_dim || 16 * j + F::col(k, 0) < g.head_dim)
+            *reinterpret_cast<packed<T>*>(row + 16 * j + F::col(k, 0)) = convert<packed<T>>(s.o.data[0][j][k]);
       if (laneid() % 4 == 0) g.lse[(long(t.b) * g.hq + head) * g.q_len + tok] = lse.data[0][half];
     }
   }

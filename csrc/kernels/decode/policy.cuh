@@ -7,9 +7,23 @@ namespace tk::decode {
 
 struct policy {
   int head_dim;
-  int kv_rows;  // keys a K/V tile
-  int stages;   // K/V ring slots
+  int kv_rows;         // keys a K/V tile
+  int stages;          // K/V ring slots
+  bool sinks = false;  // rows of whole items take their head's attention-sink logit (tk::attn::apply_sinks)
+  // The head dim is below the tile's: the caches' columns are run-time sizes (TMA zero-fills the tile's extra
+  // columns), queries load and outputs store only the head dim's columns; partials keep the tile's.
+  bool ragged_head_dim = false;
 };
+constexpr policy with_sinks(policy p) {
+  p.sinks = true;
+  return p;
+}
+constexpr policy with_ragged_head_dim(policy p) {
+  p.ragged_head_dim = true;
+  return p;
+}
+// The tile a head dim runs on: 64, 128 or 256 columns.
+constexpr int tile_head_dim(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 inline constexpr policy d64{.head_dim = 64, .kv_rows = 128, .stages = 6};
 inline constexpr policy d128{.head_dim = 128, .kv_rows = 128, .stages = 3};
 // 64-key tiles in 6 stages hold the ring bytes of 128 x 3 but free a stage twice as often: short items and balanced
@@ -27,7 +41,7 @@ enum class schedule_source {
 enum class variant { d64, d128, d128_kv64, d256 };
 
 inline variant select_variant(const attn_decode_problem& p) {
-  switch (p.head_dim) {
+  switch (tile_head_dim(p.head_dim)) {
     case 64: return variant::d64;
     case 128: return p.kv_tile == 64 ? variant::d128_kv64 : variant::d128;
     default: return variant::d256;

@@ -276,7 +276,7 @@ constexpr int BALANCED_CTAS_PER_THREAD = tk::DECODE_BALANCED_MAX_CTAS / SCHEDULE
 static_assert(BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS == tk::DECODE_BALANCED_MAX_CTAS);
 
 template <int ALIGN>
-__global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_decode_problem p) {
+static __global__ void __launch_bounds__(SCHEDULE_THREADS) build_balanced(tk::attn_decode_problem p) {
   using owner_scan_t = cub::BlockScan<int, SCHEDULE_THREADS>;
   __shared__ typename owner_scan_t::TempStorage owner_storage;
   __shared__ int owner[BALANCED_CTAS_PER_THREAD * SCHEDULE_THREADS];  // per CTA: the sequence starting there, or -1

@@ -25,6 +25,11 @@ struct prefill_epilogue {
                                       int wg, int r0) {
     typename L::row_vec lse;
     tk::attn::finalize<tk::attn::finalize_math::approximate>(s.o, lse, s.m, s.l, L::scoring(g));
+    if constexpr (P.sinks) {
+      typename L::row_vec sink;
+      fill(sink, g.sinks[t.h]);
+      tk::attn::apply_sinks(s.o, lse, sink);
+    }
     // lse: lanes 0, 4, ... hold rows g and g + 8 of each warp's 16
     if (laneid() % 4 == 0) {
 #pragma unroll

@@ -30,14 +30,15 @@ struct prefill_layout {
   static_assert(!P.half_last || (P.trims && seeded_first), "half_last: a consumer's own tiles (trims), seeded");
   static_assert(!P.skip_hidden || P.mask_once, "skip_hidden: the task's mask span (mask_once)");
 
+  static constexpr int COLS = P.ragged_head_dim ? RUNTIME : D;  // the global layouts' head dim
   using q_tile = st<T, QROWS, D>;
   using kv_tile = st<T, KV, D>;
   using page_piece = st<T, PAGE_PIECE, D>;
   using out_rows = st<T, 16, D>;
-  using tokens_gl = gl<T, 1, RUNTIME, RUNTIME, D, q_tile>;  // (1, heads, tokens, D)
-  using out_gl = std::conditional_t<P.warp_epilogue, gl<T, 1, RUNTIME, RUNTIME, D, q_tile, out_rows>, tokens_gl>;
-  using kv_gl = gl<T, 1, RUNTIME, RUNTIME, D, kv_tile>;              // (1, heads, tokens, D)
-  using pages_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, D, page_piece>;  // (blocks, heads, block_size, D)
+  using tokens_gl = gl<T, 1, RUNTIME, RUNTIME, COLS, q_tile>;  // (1, heads, tokens, head dim)
+  using out_gl = std::conditional_t<P.warp_epilogue, gl<T, 1, RUNTIME, RUNTIME, COLS, q_tile, out_rows>, tokens_gl>;
+  using kv_gl = gl<T, 1, RUNTIME, RUNTIME, COLS, kv_tile>;              // (1, heads, tokens, head dim)
+  using pages_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, COLS, page_piece>;  // (blocks, heads, block_size, head dim)
 
   struct globals {
     tokens_gl q;
@@ -56,6 +57,7 @@ struct prefill_layout {
     float scale_log2, softcap;  // softcap > 0: scores = softcap * tanh(qk * scale / softcap)
     int* task_counter;          // task_walk::claimed
     divisor block_size_div;     // paged, page_divisor: a page's tokens
+    const float* sinks;         // P.sinks: [hq] float32
   };
   struct kv_pair { kv_tile k, v; };
   struct kv_slot { kv_tile kv; };  // staggered: K_j in an even slot, V_j in the next

@@ -60,7 +60,21 @@ struct policy {
   bool fast_softmax;     // a task's later tiles take the fast softmax step (#prefill-softmax-fast)
   bool fast_needs_seen;  // online_softmax's fast_needs_seen (the serial kernel's registers do without it)
   first_tile first;
+  bool sinks = false;    // each row's softmax takes its head's attention-sink logit (tk::attn::apply_sinks)
+  // The head dim is below the tile's (a multiple of 8 between the tile sizes): its global layouts' columns are
+  // run-time sizes, so TMA zero-fills the tile's extra columns on loads and clips them on stores.
+  bool ragged_head_dim = false;
 };
+
+// A policy with attention sinks: the finalize takes them, nothing else changes.
+constexpr policy with_sinks(policy p) {
+  p.sinks = true;
+  return p;
+}
+constexpr policy with_ragged_head_dim(policy p) {
+  p.ragged_head_dim = true;
+  return p;
+}
 
 // ---- the table
 
@@ -131,8 +145,11 @@ enum class variant { d64, d64_softcap, d128_short, d128_long, d128_long_causal, 
 // D=128 switches from two overlapped consumers to three serial ones past this many keys.
 inline constexpr int D128_SHORT_KEYS = 1024;
 
+// The tile a head dim runs on: 64, 128 or 256 columns (head dims between them: ragged_head_dim).
+constexpr int tile_head_dim(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
+
 inline variant select_variant(const attn_varlen_problem& p) {
-  switch (p.head_dim) {
+  switch (tile_head_dim(p.head_dim)) {
     case 64: return p.softcap > 0.f ? variant::d64_softcap : variant::d64;
     case 128:
       if (p.max_seqlen_k <= D128_SHORT_KEYS) return variant::d128_short;

@@ -1,0 +1,193 @@
+"""Attention sinks, every head size FA3 serves (multiples of 8 up to 256) and bidirectional attention, prefill and
+decode, against the float32 reference, into NaN-poisoned outputs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tk_backend
+from tk_backend import reference
+from tests.accuracy import assert_close
+
+pytestmark = pytest.mark.gpu
+
+RAGGED_HEAD_DIMS = [32, 48, 80, 96, 112, 160, 192, 224]
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+
+
+def _check(out, lse, ref_out, ref_lse, what):
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=f"{what} out")
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finiteness differs from the reference"
+    assert_close(lse[finite], ref_lse[finite], rel=1e-3, atol=1e-3, what=f"{what} lse")
+
+
+def _sinks(hq: int, rng: random.Random) -> torch.Tensor:
+    """Sink logits around the scores' scale, with one far above (its heads' rows go to ~0) and one far below."""
+    s = torch.randn(hq, device="cuda", dtype=torch.float32) * 2
+    s[rng.randrange(hq)] = 40.0
+    s[rng.randrange(hq)] = -40.0
+    return s
+
+
+def _varlen_case(rng, d, hkv, group, dtype, lengths_q, extra_k):
+    lq = lengths_q
+    lk = [n + extra_k for n in lq]
+    q = torch.randn(sum(lq), hkv * group, d, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lk), hkv, d, device="cuda", dtype=dtype)
+    return q, k, v, lq, lk
+
+
+def _prefill(q, k, v, lq, lk, what, **kw):
+    out = torch.full_like(q, float("nan"))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), out=out,
+                                               return_softmax_lse=True, **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu_q, cu_k, **kw)
+    _check(out, lse, ref_out, ref_lse, what)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (True, (127, 0)), (False, (-1, -1))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_sinks(d, causal, window, dtype, seed):
+    """gpt-oss's layers: sinks with full and 128-token windows (head dim 64, GQA 8), and the other tile head dims."""
+    rng = random.Random(seed)
+    group = 8 if d == 64 else 2
+    lq = [rng.randint(1, 1500) for _ in range(4)]
+    q, k, v, lq, lk = _varlen_case(rng, d, 2, group, dtype, lq, rng.choice([0, 37]))
+    sinks = _sinks(q.shape[1], rng)
+    _prefill(q, k, v, lq, lk, f"sinks d={d} causal={causal} window={window} {dtype} lq={lq} seed={seed}",
+             causal=causal, window_size=window, sinks=sinks)
+
+
+@pytest.mark.parametrize("d", RAGGED_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_ragged_head_dims(d, causal, seed):
+    rng = random.Random(seed)
+    lq = [rng.randint(1, 1400) for _ in range(3)] + [2100]  # the second D=128 kernel past 1024 keys
+    q, k, v, lq, lk = _varlen_case(rng, d, 2, 4, torch.bfloat16, lq, rng.choice([0, 5]))
+    _prefill(q, k, v, lq, lk, f"head dim {d} causal={causal} lq={lq} seed={seed}", causal=causal)
+
+
+@pytest.mark.parametrize("d", [96, 80, 192])
+def test_prefill_ragged_head_dims_paged_window_softcap(d, seed):
+    rng = random.Random(seed)
+    bs, hkv, group = 16, 2, 4
+    lq = [rng.randint(1, 700) for _ in range(3)]
+    lk = [n + rng.randint(0, 600) for n in lq]
+    max_blocks = max(-(-n // bs) for n in lk) + 1
+    num_blocks = len(lq) * max_blocks + 2
+    kv = torch.randn(num_blocks, bs, hkv, 2 * d, device="cuda", dtype=torch.bfloat16)  # vLLM's K|V layout
+    k_cache, v_cache = kv[..., :d], kv[..., d:]
+    table = torch.randperm(num_blocks, device="cuda")[: len(lq) * max_blocks].to(torch.int32).view(len(lq), -1)
+    q = torch.randn(sum(lq), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqused = torch.tensor(lk, dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    kw = dict(causal=True, window_size=(200, 0), softcap=30.0)
+    _, lse = tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, _cu(lq), None, max(lq), max(lk), out=out,
+                                               block_table=table.contiguous(), seqused_k=seqused,
+                                               return_softmax_lse=True, **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k_cache, v_cache, _cu(lq), None, block_table=table, seqused_k=seqused,
+                                           **kw)
+    _check(out, lse, ref_out, ref_lse, f"paged head dim {d} lq={lq} lk={lk} seed={seed}")
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (64, 64), (100, 20)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_bidirectional_windows(window, d, seed):
+    """Encoder-only attention: no causal mask, symmetric (and asymmetric) windows."""
+    rng = random.Random(seed)
+    lq = [rng.randint(1, 900) for _ in range(5)]
+    q, k, v, lq, lk = _varlen_case(rng, d, 4, 1, torch.float16, lq, 0)
+    _prefill(q, k, v, lq, lk, f"bidirectional d={d} window={window} seed={seed}", causal=False, window_size=window)
+
+
+def _decode_case(rng, batch, contexts, q_len, bs, hkv, group, d, dtype=torch.bfloat16):
+    max_blocks = max(-(-c // bs) for c in contexts) + 2
+    num_blocks = batch * max_blocks + 3
+    kv = torch.randn(num_blocks, bs, hkv, 2 * d, device="cuda", dtype=dtype)
+    table = torch.randperm(num_blocks, device="cuda")[: batch * max_blocks].to(torch.int32).view(batch, max_blocks)
+    q = torch.randn(batch, q_len, hkv * group, d, device="cuda", dtype=dtype)
+    return q, kv[..., :d], kv[..., d:], table.contiguous(), torch.tensor(contexts, dtype=torch.int32, device="cuda")
+
+
+def _decode(q, k_cache, v_cache, seqlens, table, what, **kw):
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, return_softmax_lse=True,
+                                                **kw)
+    torch.cuda.synchronize()
+    kw.pop("num_splits", None)
+    ref_out, ref_lse = reference.decode(q, k_cache, v_cache, seqlens, table, **kw)
+    _check(out, lse, ref_out, ref_lse, what)
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+@pytest.mark.parametrize("window", [(-1, -1), (127, 0)])
+def test_decode_sinks(q_len, num_splits, window, seed):
+    """gpt-oss's shape (head dim 64, 64 query heads on 8 kv heads: group 8); whole items, splits and the merge."""
+    rng = random.Random(seed)
+    batch, hkv, group, d = 5, 2, 8, 64
+    contexts = [rng.choice([q_len, rng.randint(q_len, 400), rng.randint(1000, 9000)]) for _ in range(batch)]
+    q, k_cache, v_cache, table, seqlens = _decode_case(rng, batch, contexts, q_len, 16, hkv, group, d)
+    sinks = _sinks(hkv * group, rng)
+    _decode(q, k_cache, v_cache, seqlens, table, f"decode sinks q_len={q_len} splits={num_splits} window={window} "
+            f"ctx={contexts} seed={seed}", window_size=window, sinks=sinks, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("d", RAGGED_HEAD_DIMS)
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_decode_ragged_head_dims(d, q_len, seed):
+    rng = random.Random(seed)
+    batch, hkv, group = 6, 2, 4
+    contexts = [rng.choice([q_len, rng.randint(q_len, 300), rng.randint(1000, 12000)]) for _ in range(batch)]
+    q, k_cache, v_cache, table, seqlens = _decode_case(rng, batch, contexts, q_len, 32, hkv, group, d)
+    _decode(q, k_cache, v_cache, seqlens, table, f"decode head dim {d} q_len={q_len} ctx={contexts} seed={seed}")
+
+
+def test_decode_bidirectional(seed):
+    """Non-causal decoder layers: a step's q_len new tokens see each other (and every cached key)."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(4, 3000) for _ in range(4)]
+    q, k_cache, v_cache, table, seqlens = _decode_case(rng, 4, contexts, 4, 16, 2, 4, 128)
+    _decode(q, k_cache, v_cache, seqlens, table, f"decode non-causal ctx={contexts} seed={seed}", causal=False)
+
+
+@pytest.mark.parametrize("d,sinks", [(64, True), (96, False)])
+def test_decode_graph_replay_sinks_and_ragged(d, sinks, seed):
+    """Capture once; replay after the contexts and block tables change."""
+    rng = random.Random(seed)
+    batch, hkv, group = 8, 8, 8
+    q, k_cache, v_cache, table, seqlens = _decode_case(rng, batch, [6000] * batch, 1, 16, hkv, group, d)
+    sink_logits = _sinks(hkv * group, rng) if sinks else None
+    seqlens.fill_(100)
+    out = torch.empty_like(q)
+    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, sinks=sink_logits)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, sinks=sink_logits)
+    for _ in range(2):
+        seqlens.copy_(torch.tensor([rng.randint(1, 6000) for _ in range(batch)], dtype=torch.int32))
+        table.copy_(table[torch.randperm(batch, device="cuda")])
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.decode(q, k_cache, v_cache, seqlens, table, sinks=sink_logits)[0]
+        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"graph replay d={d} sinks={sinks} seed={seed}")
+
+
+def test_sinks_need_a_tile_head_dim():
+    q = torch.randn(8, 4, 96, device="cuda", dtype=torch.bfloat16)
+    cu = _cu([8])
+    with pytest.raises((ValueError, RuntimeError), match="sinks"):
+        tk_backend.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, sinks=torch.zeros(4, device="cuda"))
