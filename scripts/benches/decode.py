@@ -37,6 +37,17 @@ SERVE_TABLE = 2048
 # And whole decode steps of the serve bench's 4-layer model (case names end in _4layers): each impl's layers
 # in one timed call (tk: one schedule a step; vLLM's FA3: one scheduler metadata a step).
 SERVE_LAYERS = 4
+# Models TK used to refuse (case names end in _d96, _sink, _win128): Phi-3-mini (32 heads of 96, no GQA) and gpt-oss
+# (64 query / 8 kv heads of 64, attention sinks, alternating 128-token windows and full layers). Entries:
+# (batch, context, hq, hkv, page, head dim, sinks, window).
+MODEL_CASES = [(b, c, 32, 32, 16, 96, False, -1) for b in (8, 64) for c in (1024, 8192)]
+MODEL_CASES += [(b, c, 64, 8, 16, 64, True, w) for b in (8, 64) for c in (1024, 8192) for w in (-1, 127)]
+
+
+def wanted(case: str) -> bool:
+    """$TK_BENCH_CASES (comma-separated substrings of case names) selects cases; unset: all."""
+    only = [c for c in os.environ.get("TK_BENCH_CASES", "").split(",") if c]
+    return not only or any(c in case for c in only)
 
 
 def _fa3():
@@ -82,12 +93,13 @@ def _vllm_fa3():
 VLLM_FA3_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph
 
 
-def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1):
+def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, sinks=None, window=-1):
     """One decode step as vLLM's FLASH_ATTN backend runs it under full CUDA graphs: the scheduler metadata (its
     prepare kernel, once a step, part of the timed call here), then each layer's varlen kernel with one query
-    token a sequence."""
+    token a sequence (sinks as its s_aux, a left window as its window_size)."""
     varlen, schedule = vllm_fa
     b, _, hq, d = q.shape
+    window_size = (window, 0) if window >= 0 else (-1, -1)
     hkv, page = k_cache.shape[2], k_cache.shape[1]
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
     max_k = int(seqlens.max())
@@ -96,11 +108,11 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1):
     def call(i):
         metadata = schedule(batch_size=b, max_seqlen_q=1, max_seqlen_k=max_k, num_heads_q=hq, num_heads_kv=hkv,
                             headdim=d, cache_seqlens=seqlens, qkv_dtype=q.dtype, cu_seqlens_q=cu_q, page_size=page,
-                            causal=True, num_splits=VLLM_FA3_SPLITS)
+                            causal=True, window_size=window_size, num_splits=VLLM_FA3_SPLITS)
         for _ in range(layers):
             varlen(q3, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_k, seqused_k=seqlens,
-                   softmax_scale=d ** -0.5, causal=True, block_table=table, out=out3, scheduler_metadata=metadata,
-                   num_splits=VLLM_FA3_SPLITS, fa_version=3)
+                   softmax_scale=d ** -0.5, causal=True, window_size=list(window_size), block_table=table, out=out3,
+                   scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3, s_aux=sinks)
     return call
 
 
@@ -126,7 +138,14 @@ def _tk_step(q, k_cache, v_cache, seqlens, table, out, layers):
     return step
 
 
-def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, layers=1) -> list[Row]:
+def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, layers=1, d=D, sinks=False,
+          window=-1) -> list[Row]:
+    case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{d}_page{page}" + (f"_table{table_ctx}" if table_ctx else "")
+    case += ("_servelens" if shuffle else "_servelayout") if serve else ""
+    case += f"_{layers}layers" if layers > 1 else ""
+    case += ("_sink" if sinks else "") + (f"_win{window + 1}" if window >= 0 else "")
+    if not wanted(case):
+        return []
     if serve:
         table, seqlens, blocks = _serve_layout(b, ctx, page, table_ctx)
         tokens = int(seqlens.sum())
@@ -138,37 +157,46 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
         if table_ctx is not None:  # columns past the contexts (never read), as a max_model_len-wide table has
             table = torch.cat([table, table[:, :1].expand(b, (table_ctx - ctx) // page)], 1).contiguous()
         seqlens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-    k_cache = torch.randn(blocks, page, hkv, D, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn(blocks, page, hkv, D, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(b, 1, hq, D, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    bytes_moved = 2 * (2 * tokens * hkv * D + 2 * b * hq * D) * layers
-    case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{D}_page{page}" + (f"_table{table_ctx}" if table_ctx else "")
-    case += ("_servelens" if shuffle else "_servelayout") if serve else ""
-    case += f"_{layers}layers" if layers > 1 else ""
+    sink_logits = torch.randn(hq, device="cuda", dtype=torch.float32) if sinks else None
+    attended = tokens if window < 0 else b * min(ctx, window + 1)  # keys a windowed step reads
+    bytes_moved = 2 * (2 * attended * hkv * d + 2 * b * hq * d) * layers
     num_sms, name = attention._device_info(q.device)
-    plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, D, page, num_sms, -1, 0, name)
+    plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, d, page, num_sms, window, 0, name)
     step = int(decode_plan.step_chunk(plan, seqlens.cpu()))
     balanced = attention.balanced_mode(plan)
     schedule = "balanced shares" if balanced else f"this step's chunk {step} (coarsen_levels={plan.coarsen_levels})"
     print(f"  {case}: plan chunk_tokens={plan.chunk_tokens} max_splits={plan.max_splits} ctas={plan.num_ctas} "
           f"({plan.source}); {schedule}; K/V tile {decode_plan.kv_tile(plan, balanced)} keys", flush=True)
+    extra = {}
+    if sinks:
+        extra["sinks"] = sink_logits
+    if window >= 0:
+        extra["window_size"] = (window, 0)
     if layers == 1:
-        impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)}
+        impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out,
+                                                                    **extra)}
     else:
         impls = {"tk": _tk_step(q, k_cache, v_cache, seqlens, table, out, layers)}
     fa3, vllm_fa = _fa3(), _vllm_fa3()
-    if fa3 is not None:
+    if fa3 is not None and not sinks:  # (the tokenspeed wheel has no sinks)
+        fa3_window = {"window_size": (window, 0)} if window >= 0 else {}
+
         def fa3_step(i):
             for _ in range(layers):
-                fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True)
+                fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True,
+                                            **fa3_window)
         impls["fa3"] = fa3_step
     if vllm_fa is not None:  # the FA3 build vLLM's FLASH_ATTN backend calls (where vLLM is importable)
-        impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, torch.empty_like(q), layers)
-    if fa3 is None and vllm_fa is None and not serve and b * ctx <= 1 << 20:
+        impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, torch.empty_like(q), layers,
+                                           sink_logits, window)
+    if fa3 is None and vllm_fa is None and not serve and not sinks and window < 0 and b * ctx <= 1 << 20:
         def gathered(i):
-            k = k_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
-            v = v_cache[table.long()].view(b, ctx, hkv, D).transpose(1, 2)
+            k = k_cache[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
+            v = v_cache[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
             return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
         impls["sdpa_gather"] = gathered
     rows = []
@@ -193,5 +221,8 @@ def run(quick: bool = False) -> list[Row]:
     serve_cases += [(c, False, SERVE_LAYERS) for c in SERVE_CASES]
     for case, shuffle, layers in [] if quick else serve_cases:
         rows += _case(*case, SERVE_TABLE, serve=True, shuffle=shuffle, layers=layers)
+        torch.cuda.empty_cache()
+    for b, ctx, hq, hkv, page, d, sinks, window in [] if serve_only or quick else MODEL_CASES:
+        rows += _case(b, ctx, hq, hkv, page, d=d, sinks=sinks, window=window)
         torch.cuda.empty_cache()
     return rows
