@@ -10,21 +10,11 @@ import torch
 import tk_backend
 from tk_backend import reference
 from tests.accuracy import assert_close
+from tests.gpu.test_attention import _check, _cu
 
 pytestmark = pytest.mark.gpu
 
 RAGGED_HEAD_DIMS = [32, 48, 80, 96, 112, 160, 192, 224]
-
-
-def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
-
-
-def _check(out, lse, ref_out, ref_lse, what):
-    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=f"{what} out")
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), f"{what}: lse finiteness differs from the reference"
-    assert_close(lse[finite], ref_lse[finite], rel=1e-3, atol=1e-3, what=f"{what} lse")
 
 
 def _sinks(hq: int, rng: random.Random) -> torch.Tensor:

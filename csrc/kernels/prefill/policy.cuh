@@ -4,6 +4,7 @@
 #pragma once
 #include "../../kittens/kittens.cuh"
 #include "../attention.h"
+#include "../attention/variants.cuh"
 
 namespace tk::prefill {
 
@@ -66,15 +67,7 @@ struct policy {
   bool ragged_head_dim = false;
 };
 
-// A policy with attention sinks: the finalize takes them, nothing else changes.
-constexpr policy with_sinks(policy p) {
-  p.sinks = true;
-  return p;
-}
-constexpr policy with_ragged_head_dim(policy p) {
-  p.ragged_head_dim = true;
-  return p;
-}
+using tk::attn::with_ragged_head_dim, tk::attn::with_sinks;
 
 // ---- the table
 
@@ -145,8 +138,7 @@ enum class variant { d64, d64_softcap, d128_short, d128_long, d128_long_causal, 
 // D=128 switches from two overlapped consumers to three serial ones past this many keys.
 inline constexpr int D128_SHORT_KEYS = 1024;
 
-// The tile a head dim runs on: 64, 128 or 256 columns (head dims between them: ragged_head_dim).
-constexpr int tile_head_dim(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
+using tk::attn::tile_head_dim;
 
 inline variant select_variant(const attn_varlen_problem& p) {
   switch (tile_head_dim(p.head_dim)) {
