@@ -1,7 +1,9 @@
 """A simulated vLLM serving run over one attention layer of the TK backend, shared by the CPU tests (the float32
 references standing in for the kernels) and the GPU tests (the real kernels): vLLM's own KV cache allocation,
 the CommonAttentionMetadata its model runner builds, the TK metadata builder, and the impl's forward, checked
-against dense reference attention. Needs vLLM importable.
+against dense reference attention. Decoder layers (causal or bidirectional, with sliding windows, soft-capping and
+attention sinks) run through ServingSimulation; encoder-only layers (no KV cache) through encoder_only_batch, which
+builds them the way vLLM's EncoderOnlyAttention does. Needs vLLM importable.
 """
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import math
 from types import SimpleNamespace
 
 import torch
-from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec, FullAttentionSpec
 
 from tk_backend import reference
 from tk_backend.vllm import compat
@@ -49,23 +51,41 @@ def vllm_allocated_cache(num_blocks: int, block_size: int, num_kv_heads: int, he
     return raw, caches
 
 
-def common_metadata(query_lens, seq_lens, block_table, slot_mapping, device="cpu") -> CommonAttentionMetadata:
-    """What vLLM's model runner hands a metadata builder for one step: device tensors and the host copy."""
+def common_metadata(query_lens, seq_lens, block_table, slot_mapping, device="cpu", causal=True,
+                    num_tokens=None) -> CommonAttentionMetadata:
+    """What vLLM's model runner hands a metadata builder for one step: device tensors and the host copy.
+    num_tokens: the step's token count when padded past the requests' (vLLM's num_actual_tokens is the padded
+    count)."""
     qsl = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return CommonAttentionMetadata(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), block_table_tensor=block_table.to(device), slot_mapping=slot_mapping.to(device),
+        num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]) if num_tokens is None else num_tokens,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_table_tensor=block_table.to(device),
+        slot_mapping=slot_mapping.to(device), causal=causal,
     )
 
 
-def builder(num_kv_heads=2, head_size=64, block_size=16, speculative_config=None,
-            device="cpu") -> TKAttentionMetadataBuilder:
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                             dtype=torch.bfloat16)
+def builder(num_kv_heads=2, head_size=64, block_size=16, speculative_config=None, device="cpu",
+            spec_cls=FullAttentionSpec, builder_cls=TKAttentionMetadataBuilder) -> TKAttentionMetadataBuilder:
+    spec = spec_cls(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.bfloat16)
     config = SimpleNamespace(speculative_config=speculative_config)
-    return TKAttentionMetadataBuilder(spec, ["layers.0.attn"], config, torch.device(device))
+    return builder_cls(spec, ["layers.0.attn"], config, torch.device(device))
+
+
+def random_sinks(num_heads: int, gen: torch.Generator) -> torch.Tensor:
+    """Attention sinks as vLLM's gpt-oss holds them: a parameter in the model's dtype, of gpt-oss's magnitude."""
+    return (2 * torch.randn(num_heads, generator=gen)).to(torch.bfloat16)
+
+
+def _layer(device: torch.device) -> SimpleNamespace:
+    return SimpleNamespace(_k_scale=torch.ones((), device=device), _v_scale=torch.ones((), device=device))
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert not torch.isnan(got).any(), "unwritten output rows"
+    err = (got - want).norm() / want.norm()
+    assert err < 1e-2, f"relative error {err:.3e}"
 
 
 class ServingSimulation:
@@ -75,10 +95,14 @@ class ServingSimulation:
     through its shuffled pages), builds the metadata from a CommonAttentionMetadata, writes the cache, runs the
     impl, and compares every real output row with reference attention over the request's unpaged keys.
     On device "cuda" the impl runs the real kernels (the histories and the reference stay on the host).
+
+    sinks=True gives the layer random attention sinks (random_sinks); causal=False makes it a bidirectional decoder
+    (every step's metadata says causal=False: a query sees its request's keys so far on both sides, within a
+    symmetric window).
     """
 
     def __init__(self, num_heads, num_kv_heads, head_size, prompt_lens, block_size=16, max_len=160,
-                 sliding_window=None, softcap=None, layout="NHD", seed=0, device="cpu"):
+                 sliding_window=None, softcap=None, layout="NHD", seed=0, device="cpu", sinks=False, causal=True):
         gen = torch.Generator().manual_seed(seed)
         self.h, self.hkv, self.d, self.bs = num_heads, num_kv_heads, head_size, block_size
         self.scale = head_size**-0.5
@@ -95,14 +119,15 @@ class ServingSimulation:
             for _ in prompt_lens
         ]
         self.done = [0] * len(prompt_lens)
-        # vLLM's sliding window w: a query sees itself and the w - 1 keys before it.
-        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        # vLLM's sliding window w: a query sees itself and the w - 1 keys before it (and after it, bidirectional).
+        self.causal = causal
+        self.window = (-1, -1) if not sliding_window else (sliding_window - 1, 0 if causal else sliding_window - 1)
         self.softcap = softcap or 0.0
+        self.sinks = random_sinks(num_heads, gen) if sinks else None
         self.impl = TKAttentionImpl(num_heads, head_size, self.scale, num_kv_heads, None, sliding_window, "auto",
-                                    softcap)
+                                    softcap, sinks=None if self.sinks is None else self.sinks.to(self.device))
         self.builder = builder(num_kv_heads, head_size, block_size, device=self.device)
-        self.layer = SimpleNamespace(_k_scale=torch.ones((), device=self.device),
-                                     _v_scale=torch.ones((), device=self.device))
+        self.layer = _layer(self.device)
 
     def prefill_cached_prefix(self, req: int, n: int) -> None:
         """Tokens whose K/V an earlier step (or another request, via prefix caching) already wrote."""
@@ -121,7 +146,7 @@ class ServingSimulation:
                 out, _ = reference.attention(
                     self.hist[r]["q"][lo:hi], self.hist[r]["k"][:hi], self.hist[r]["v"][:hi],
                     torch.tensor([0, hi - lo], dtype=torch.int32), torch.tensor([0, hi], dtype=torch.int32),
-                    self.scale, True, self.window, self.softcap,
+                    self.scale, self.causal, self.window, self.softcap, sinks=self.sinks,
                 )
                 expected.append(out)
             self.done[r] = hi
@@ -129,7 +154,7 @@ class ServingSimulation:
         seq_lens = [self.done[r] for r in reqs] + [0] * pad_requests
         block_table = torch.cat([self.block_table[reqs], torch.zeros(pad_requests, self.max_blocks,
                                                                       dtype=torch.int32)])
-        cm = common_metadata(query_lens, seq_lens, block_table, torch.cat(slots), self.device)
+        cm = common_metadata(query_lens, seq_lens, block_table, torch.cat(slots), self.device, causal=self.causal)
         md = self.builder.build(0, cm)
         junk = {"q": self.h, "k": self.hkv, "v": self.hkv}
         q, k, v = (torch.cat([*rows, torch.randn(pad_tokens, junk[n], self.d).to(torch.bfloat16)])
@@ -139,8 +164,45 @@ class ServingSimulation:
         self.impl.forward(self.layer, q, k, v, self.kv_cache, md, output)
         if check:
             n = cm.num_actual_tokens
-            got, want = output[:n].float().cpu(), torch.cat(expected)
-            assert not torch.isnan(got).any(), "unwritten output rows"
-            err = (got - want).norm() / want.norm()
-            assert err < 1e-2, f"relative error {err:.3e}"
+            _check(output[:n].float().cpu(), torch.cat(expected))
         return md
+
+
+def encoder_only_batch(num_heads, num_kv_heads, head_size, prompt_lens, sliding_window=None, softcap=None,
+                       sinks=False, pad_requests=0, pad_tokens=0, block_size=16, seed=0, device="cpu"):
+    """One step of an encoder-only layer (BERT-like embedding models) as vLLM runs it, checked against dense
+    bidirectional attention within each prompt: the TK backend wrapped by vLLM's own
+    create_encoder_only_attention_backend (its builder subclass sets causal=False), the EncoderOnlyAttentionSpec
+    group's metadata (a [num_reqs, 1] block table of zeros, a slot mapping of zeros), no KV cache, CUDA-graph padding
+    (requests of 0 tokens, rows past the last request). Returns the metadata."""
+    from vllm.model_executor.layers.attention.encoder_only_attention import create_encoder_only_attention_backend
+
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    backend = create_encoder_only_attention_backend(TKAttentionBackend)
+    step_builder = builder(num_kv_heads, head_size, block_size, device=device, spec_cls=EncoderOnlyAttentionSpec,
+                           builder_cls=backend.get_builder_cls())
+    layer_sinks = random_sinks(num_heads, gen) if sinks else None
+    scale = head_size**-0.5
+    impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, None, sliding_window, "auto", softcap,
+                                  AttentionType.ENCODER_ONLY, None,
+                                  sinks=None if layer_sinks is None else layer_sinks.to(device))
+    total = sum(prompt_lens)
+    q, k, v = (torch.randn(total + pad_tokens, heads, head_size, generator=gen).to(torch.bfloat16)
+               for heads in (num_heads, num_kv_heads, num_kv_heads))
+    query_lens = list(prompt_lens) + [0] * pad_requests
+    cm = common_metadata(query_lens, query_lens, torch.zeros(len(query_lens), 1, dtype=torch.int32),
+                         torch.zeros(total + pad_tokens, dtype=torch.int64), device, num_tokens=total + pad_tokens)
+    md = step_builder.build(0, cm)
+    no_cache = torch.tensor([], device=device)  # what an encoder-only layer's kv_cache is
+    output = torch.full((total + pad_tokens, num_heads, head_size), float("nan"), dtype=torch.bfloat16,
+                        device=device)
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    impl.do_kv_cache_update(_layer(device), k, v, no_cache, cm.slot_mapping)
+    impl.forward(_layer(device), q, k, v, no_cache, md, output)
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    cu = cm.query_start_loc_cpu[: len(prompt_lens) + 1]
+    want, _ = reference.attention(q[:total].cpu(), k[:total].cpu(), v[:total].cpu(), cu, cu, scale, False, window,
+                                  softcap or 0.0, sinks=layer_sinks)
+    _check(output[:total].float().cpu(), want)
+    return md

@@ -1,7 +1,9 @@
-"""The vLLM plugin on CPU: registration and name resolution (fork, spawn, CLI), validation hooks, the KV cache
-views, metadata building and, with the float32 references standing in for the kernels, the forward pass of a
-simulated serving run (prefill, chunked prefill over a cached prefix, decode, speculative verification,
-CUDA-graph padding) and its head slicing under tensor parallelism.
+"""The vLLM plugin on CPU: registration and name resolution (fork, spawn, CLI), validation hooks and the refusals'
+sentences, the KV cache views, metadata building (causal, bidirectional and encoder-only batches) and, with the
+float32 references standing in for the kernels, the forward pass of a simulated serving run (prefill, chunked
+prefill over a cached prefix, decode, speculative verification, CUDA-graph padding; attention sinks, head sizes
+between the kernel tiles, bidirectional decoders, encoder-only layers) and its head slicing under tensor
+parallelism.
 
 Runs against whichever vLLM is installed (scripts/install_cpu_vllm.sh installs 0.33.0 without its GPU
 libraries); skipped when vLLM is not importable.
@@ -39,7 +41,13 @@ from tk_backend.vllm.metadata import (  # noqa: E402
     step_block_table,
     uniform_decode_shape,
 )
-from tests.vllm_sim import ServingSimulation, builder, common_metadata, vllm_allocated_cache  # noqa: E402
+from tests.vllm_sim import (  # noqa: E402
+    ServingSimulation,
+    builder,
+    common_metadata,
+    encoder_only_batch,
+    vllm_allocated_cache,
+)
 
 CPU_ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
@@ -152,83 +160,176 @@ def _selector(**overrides) -> dict:
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"head_size": 64}, {"head_size": 256, "dtype": torch.float16}, {"has_sliding_window": True},
-     {"block_size": 32}, {"kv_cache_dtype": "bfloat16"}],
+     {"block_size": 32}, {"kv_cache_dtype": "bfloat16"},
+     {"head_size": 96}, {"head_size": 8}, {"head_size": 200},  # Phi-3's 96: every multiple of 8 up to 256
+     {"has_sink": True, "head_size": 64, "has_sliding_window": True},  # gpt-oss
+     {"has_sink": True, "head_size": 128}, {"has_sink": True, "head_size": 256},
+     {"use_non_causal": True}, {"use_non_causal": True, "has_sliding_window": True},
+     {"attn_type": "encoder_only", "head_size": 64},  # BERT-like embedding models
+     {"attn_type": "encoder_only", "head_size": 96, "has_sliding_window": True}],
 )
 def test_validation_accepts_supported_configurations(overrides):
     assert TKAttentionBackend.validate_configuration(**_selector(**overrides)) == []
+    assert TKAttentionBackend.configuration_refusals(**_selector(**overrides)) == []
 
 
 @pytest.mark.parametrize(
     "overrides,reason",
     [
-        ({"head_size": 100}, "head_size 100 not supported (TK kernels: multiples of 8 up to 256)"),
-        ({"dtype": torch.float32}, "dtype float32 not supported"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 not supported"),
-        ({"kv_cache_dtype": "fp8_e4m3"}, "fp8 KV caches are not implemented"),
-        ({"block_size": 8}, "block_size 8 not supported"),
-        ({"device_capability": DeviceCapability(10, 0)}, "need sm_90, Hopper"),
-        ({"device_capability": DeviceCapability(8, 0)}, "need sm_90, Hopper"),
-        ({"attn_type": "encoder_decoder"}, "no encoder, encoder-only or cross attention"),
-        ({"attn_type": "encoder_only"}, "attention type encoder_only not supported"),
-        ({"use_mla": True}, "MLA not supported"),
-        ({"has_sink": True}, "attention sinks not supported"),
-        ({"use_mm_prefix": True}, "TK backend"),
-        ({"use_non_causal": True}, "non-causal decoder attention not supported"),
-        ({"use_batch_invariant": True}, "batch-invariant mode"),
+        ({"head_size": 100}, "head_size 100 is not supported (TK: multiples of 8 up to 256)"),
+        ({"head_size": 264}, "head_size 264 is not supported (TK: multiples of 8 up to 256)"),
+        ({"dtype": torch.float32}, "dtype float32 is not supported (TK: bfloat16, float16)"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 is not supported (TK reads auto/bfloat16/float16 caches; "
+                                    "fp8 KV caches are not implemented yet)"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype fp8_e4m3 is not supported"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype fp8_e5m2 is not supported"),
+        ({"block_size": 8}, "block_size 8 is not supported (TK pages: 16, 32, 64, 128, 256 tokens)"),
+        ({"device_capability": DeviceCapability(10, 0)},
+         "compute capability sm_100 is not supported (TK kernels: sm_90, Hopper)"),
+        ({"device_capability": DeviceCapability(8, 0)}, "compute capability sm_80 is not supported"),
+        ({"attn_type": "encoder_decoder"},
+         "attention type encoder_decoder is not supported (TK: decoder self-attention and encoder-only attention; "
+         "no encoder-decoder cross attention)"),
+        ({"attn_type": "encoder"}, "attention type encoder is not supported"),
+        ({"use_mla": True}, "MLA (use_mla=True) is not supported (TK: multi-head, grouped-query and multi-query "
+                            "attention)"),
+        ({"has_sink": True, "head_size": 96},
+         "attention sinks at head_size 96 are not supported (TK's sink kernels: head sizes 64, 128, 256)"),
+        ({"has_sink": True, "head_size": 80}, "attention sinks at head_size 80 are not supported"),
+        ({"use_sparse": True}, "sparse attention (use_sparse=True) is not supported (TK: dense attention)"),
+        ({"use_mm_prefix": True}, "bidirectional attention over multimodal prefix tokens (use_mm_prefix=True)"),
+        ({"use_per_head_quant_scales": True}, "per-head quantization scales (use_per_head_quant_scales=True)"),
+        ({"use_batch_invariant": True}, "batch-invariant mode (VLLM_BATCH_INVARIANT=1) is not supported"),
+        ({"use_pcp": True}, "prefill context parallelism (prefill_context_parallel_size > 1) is not supported (TK: "
+                            "tensor parallelism only)"),
     ],
 )
 def test_validation_refuses_with_a_reason(overrides, reason):
-    reasons = TKAttentionBackend.validate_configuration(**_selector(**overrides))
+    reasons = TKAttentionBackend.configuration_refusals(**_selector(**overrides))
     assert any(reason in r for r in reasons), reasons
+
+
+def test_a_refusal_is_one_sentence_that_names_tk_not_custom():
+    """vLLM's selector would say "Selected backend AttentionBackendEnum.CUSTOM is not valid" (the member TK is
+    registered as): validate_configuration raises TK's own sentence instead, which vLLM lets through."""
+    with pytest.raises(tk_vllm_backend.TKUnsupportedError) as refused:
+        TKAttentionBackend.validate_configuration(**_selector(head_size=100, kv_cache_dtype="fp8_e5m2"))
+    assert str(refused.value) == (
+        "the TK attention backend (--attention-backend TK) cannot run this model: head_size 100 is not supported "
+        "(TK: multiples of 8 up to 256); kv_cache_dtype fp8_e5m2 is not supported (TK reads auto/bfloat16/float16 "
+        "caches; fp8 KV caches are not implemented yet); choose another backend, for example --attention-backend "
+        "FLASH_ATTN"
+    )
+    assert isinstance(refused.value, ValueError)  # what vLLM's own refusal raises
+    assert "CUSTOM" not in str(refused.value) and str(refused.value).count(". ") == 0
+    # Positional arguments too (vLLM passes keywords today).
+    with pytest.raises(tk_vllm_backend.TKUnsupportedError, match="attention sinks at head_size 96"):
+        TKAttentionBackend.validate_configuration(*_selector(head_size=96, has_sink=True).values())
+
+
+def test_sinks_head_sizes_are_refused_through_supports_combination():
+    """Both vLLM releases ask supports_sink() and then supports_combination(..., has_sink, ...)."""
+    assert TKAttentionBackend.supports_sink() and TKAttentionBackend.supports_non_causal()
+    args = dict(dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None, use_mla=False, use_sparse=False,
+                use_mm_prefix=False, device_capability=DeviceCapability(9, 0))
+    for head_size in (64, 128, 256):
+        assert TKAttentionBackend.supports_combination(head_size=head_size, has_sink=True, **args) is None
+    assert "head_size 96" in TKAttentionBackend.supports_combination(head_size=96, has_sink=True, **args)
+    assert TKAttentionBackend.supports_combination(head_size=96, has_sink=False, **args) is None
+    assert [t for t in ("decoder", "encoder_only", "encoder", "encoder_decoder")
+            if TKAttentionBackend.supports_attn_type(t)] == ["decoder", "encoder_only"]
 
 
 def test_validation_refuses_what_only_newer_vllm_asks_about():
     base = _selector()
-    for key, hook_says in [("use_dcp", "DCP"), ("use_adaptive_verification", "query lens mismatch")]:
+    for key, says in [("use_dcp", "decode context parallelism (decode_context_parallel_size > 1) is not supported"),
+                      ("use_adaptive_verification", "adaptive speculative verification "
+                                                    "(enable_adaptive_verification=True) is not supported"),
+                      ("use_rswa", "R-SWA (a model rswa_window) is not supported (TK: plain sliding windows)")]:
         try:
-            reasons = TKAttentionBackend.validate_configuration(**base, **{key: True})
+            reasons = TKAttentionBackend.configuration_refusals(**base, **{key: True})
         except TypeError:  # vLLM 0.26 has no such argument; the impl refuses DCP itself (below)
             continue
-        assert any(hook_says in r for r in reasons), reasons
+        assert any(says in r for r in reasons), reasons
+
+
+def _impl_args(**overrides) -> dict:
+    args = dict(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
+                kv_cache_dtype="auto")
+    args.update(overrides)
+    return args
 
 
 @pytest.mark.parametrize(
     "kwargs,reason",
     [
-        ({"head_size": 100}, "head_size 100"),
-        ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
-        ({"attn_type": "encoder"}, "attention type encoder"),
-        ({"sinks": torch.zeros(8)}, "attention sinks"),
-        ({"use_alibi_sqrt": True}, "layer option use_alibi_sqrt=True"),
+        ({"head_size": 100}, "head_size 100 is not supported (TK: multiples of 8 up to 256)"),
+        ({"alibi_slopes": [0.5] * 8}, "ALiBi position biases (8 slopes) are not supported"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 is not supported"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype fp8_e5m2 is not supported"),
+        ({"attn_type": "encoder"}, "attention type encoder is not supported"),
+        ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder is not supported"),
+        ({"sinks": torch.zeros(4)}, "attention sinks of shape (4,) are not supported (TK: one per query head, "
+                                    "shape (8,))"),
+        ({"sinks": torch.zeros(8), "head_size": 96}, "attention sinks at head_size 96 are not supported"),
+        ({"use_alibi_sqrt": True}, "layer option use_alibi_sqrt=True is not supported"),
     ],
 )
 def test_impl_refuses_unsupported_layers(kwargs, reason):
-    args = dict(num_heads=8, head_size=128, scale=0.1, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
-                kv_cache_dtype="auto")
-    args.update(kwargs)
-    with pytest.raises(NotImplementedError, match=f"TK attention backend cannot run this layer: .*{reason}"):
-        TKAttentionImpl(**args)
+    with pytest.raises(tk_vllm_backend.TKUnsupportedError) as refused:
+        TKAttentionImpl(**_impl_args(**kwargs))
+    message = str(refused.value)
+    assert message.startswith("the TK attention backend (--attention-backend TK) cannot run this model: ")
+    assert reason in message
+    assert message.endswith("; choose another backend, for example --attention-backend FLASH_ATTN")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"sinks": torch.zeros(8), "head_size": 64}, {"sinks": torch.zeros(8, dtype=torch.bfloat16), "head_size": 256},
+     {"head_size": 96}, {"head_size": 96, "sliding_window": 2047}, {"attn_type": "encoder_only"},
+     {"attn_type": "encoder_only", "sinks": torch.zeros(8)}],
+)
+def test_impl_accepts_sinks_head_sizes_and_encoder_only_layers(kwargs):
+    impl = TKAttentionImpl(**_impl_args(**kwargs))
+    assert impl.encoder_only == (kwargs.get("attn_type") == "encoder_only")
+    if "sinks" in kwargs:
+        assert impl.kernel_sinks().dtype == torch.float32
+        assert torch.equal(impl.kernel_sinks(), kwargs["sinks"].float())
 
 
 def test_impl_refuses_decode_context_parallelism(monkeypatch):
-    monkeypatch.setattr(TKAttentionImpl, "dcp_world_size", 2, raising=False)
-
     def new(cls, *args, **kwargs):
         self = object.__new__(cls)
         self.dcp_world_size, self.pcp_world_size = 2, 1
         return self
 
     monkeypatch.setattr(TKAttentionImpl, "__new__", new)
-    with pytest.raises(NotImplementedError, match="decode context parallelism"):
+    with pytest.raises(NotImplementedError, match=r"decode context parallelism \(decode_context_parallel_size 2\)"):
         TKAttentionImpl(8, 128, 0.1, 2, None, None, "auto")
 
 
 def test_impl_maps_window_and_softcap():
     impl = TKAttentionImpl(8, 64, 0.1, 2, None, 4096, "auto", 30.0)
     assert impl.window_size == (4095, 0) and impl.softcap == 30.0
+    assert impl.bidirectional_window_size == (4095, 4095)  # non-causal batches, as FLASH_ATTN symmetrizes
     impl = TKAttentionImpl(8, 64, 0.1, 2, None, None, "auto", None)
-    assert impl.window_size == (-1, -1) and impl.softcap == 0.0
+    assert impl.window_size == impl.bidirectional_window_size == (-1, -1) and impl.softcap == 0.0
+    impl = TKAttentionImpl(8, 64, 0.1, 2, None, 128, "auto", None, "encoder_only")
+    assert impl.window_size == impl.bidirectional_window_size == (127, 127)  # FLASH_ATTN's encoder-only window
+
+
+def test_kernel_sinks_follow_the_live_parameter():
+    """vLLM loads (and may reload) the sinks parameter after the layer is built: no stale copy."""
+    sinks = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
+    impl = TKAttentionImpl(**_impl_args(head_size=64, sinks=sinks))
+    with torch.no_grad():
+        sinks.fill_(1.5)
+    assert torch.equal(impl.kernel_sinks(), torch.full((8,), 1.5))
+    impl.process_weights_after_loading(torch.bfloat16)
+    with torch.no_grad():
+        sinks.fill_(-2.0)
+    assert torch.equal(impl.kernel_sinks(), torch.full((8,), -2.0))
 
 
 # ------------------------------------------------------------------------------------------ KV layout
@@ -440,6 +541,53 @@ def test_cudagraph_support_depends_on_the_decode_width():
         assert TKAttentionMetadataBuilder.get_cudagraph_support(config, spec) is support
 
 
+@pytest.mark.parametrize("query_lens,seq_lens,uniform", [([1, 1, 1], [9, 30, 1], True), ([3, 3], [40, 3], True),
+                                                     ([1, 7], [20, 7], False)])
+def test_builder_keeps_a_bidirectional_batch_bidirectional(query_lens, seq_lens, uniform):
+    n = len(query_lens)
+    block_table = torch.arange(n * 8, dtype=torch.int32).view(n, 8)
+    cm = common_metadata(query_lens, seq_lens, block_table, torch.arange(sum(query_lens)), causal=False)
+    md = builder().build(0, cm)
+    assert md.causal is False and md.is_uniform_decode == uniform
+    assert (md.decode is not None) == uniform and (md.decode is None or md.decode.causal is False)
+    assert builder().build(0, common_metadata(query_lens, seq_lens, block_table, torch.arange(sum(query_lens)))).causal
+    if uniform:  # another KV-cache group's step stays bidirectional
+        other = builder().update_block_table(md, block_table + 1, torch.zeros(3))
+        assert other.causal is False and other.decode.causal is False
+
+
+def test_builder_refuses_per_sequence_causal_tensors():
+    cm = common_metadata([4, 4], [4, 4], torch.zeros(2, 1, dtype=torch.int32), torch.arange(8))
+    cm.causal = torch.tensor([True, False])
+    with pytest.raises(NotImplementedError) as refused:
+        builder().build(0, cm)
+    assert str(refused.value) == (
+        "the TK attention backend takes one causal flag per batch, got a per-sequence causal tensor of shape (2,) "
+        "(a batch mixing causal and bidirectional sequences); TK runs a batch either causal or bidirectional: choose "
+        "another backend for this model, for example --attention-backend TRITON_ATTN")
+
+
+@pytest.mark.parametrize("query_lens", [[7, 30, 1], [1, 1, 1], [3, 3]])  # uniform-looking prompts too
+def test_builder_of_an_encoder_only_layer_makes_no_decode_plan(query_lens):
+    """vLLM's EncoderOnlyAttention wraps the builder (causal False) and gives it the EncoderOnlyAttentionSpec group's
+    metadata: a one-column block table of zeros, a slot mapping of zeros, whole prompts."""
+    from vllm.model_executor.layers.attention.encoder_only_attention import create_encoder_only_attention_backend
+    from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+
+    backend = create_encoder_only_attention_backend(TKAttentionBackend)
+    assert backend.get_name() == "TK" and issubclass(backend, TKAttentionBackend)
+    step_builder = builder(spec_cls=EncoderOnlyAttentionSpec, builder_cls=backend.get_builder_cls())
+    assert step_builder.encoder_only
+    n, total = len(query_lens), sum(query_lens)
+    cm = common_metadata(query_lens + [0], query_lens + [0], torch.zeros(n + 1, 1, dtype=torch.int32),
+                         torch.zeros(total + 2, dtype=torch.int64), num_tokens=total + 2)
+    md = step_builder.build(0, cm)
+    assert md.causal is False and md.decode is None and not md.is_uniform_decode and md.num_decodes == 0
+    assert md.num_actual_tokens == total + 2 and md.max_query_len == max(query_lens)
+    assert md.query_start_loc.tolist() == cm.query_start_loc_cpu.tolist()
+    assert cm.causal is True  # the wrapper builds on a copy
+
+
 # --------------------------------------------------------- forward pass with the references as kernels
 
 
@@ -453,24 +601,28 @@ class _KernelStandIns:
         self.decode_table_widths: list[int] = []
         self.decode_plans: list[attention.PagedDecode] = []  # each decode run's
         self.reused: list[bool] = []  # each split-kernel launch's reuse_schedule
+        self.masks: list[tuple] = []  # each call's (op, causal, window, sinks)
 
     def clear(self) -> None:
-        for record in (self.calls, self.decode_table_widths, self.decode_plans, self.reused):
+        for record in (self.calls, self.decode_table_widths, self.decode_plans, self.reused, self.masks):
             record.clear()
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
-               return_softmax_lse=False):
+               return_softmax_lse=False, sinks=None):
         meta = [None if t is None else _meta_like(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
-                                                              seqused_k, out)]
+                                                              seqused_k, out, sinks)]
         attention.validate_varlen(meta[0], meta[1], meta[2], meta[3], meta[4], max_seqlen_q, max_seqlen_k,
                                   softmax_scale, causal, window_size, softcap, meta[5], meta[6], meta[7])
+        attention.validate_sinks(meta[8], meta[0])
         # max_seqlen_* must bound the true lengths: they size the kernel's grid.
         assert int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q
-        assert int(seqused_k.max()) <= max_seqlen_k
-        self.calls.append("varlen")
+        keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        assert int(keys.max()) <= max_seqlen_k
+        self.calls.append("varlen" if block_table is not None else "varlen(no cache)")
+        self.masks.append(("varlen", causal, tuple(window_size), sinks))
         o, _ = reference.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
-                                   softcap, block_table=block_table, seqused_k=seqused_k)
+                                   softcap, block_table=block_table, seqused_k=seqused_k, sinks=sinks)
         out.copy_(o)
         return out
 
@@ -483,15 +635,17 @@ class _KernelStandIns:
                 return super().plan(_meta_like(cache_seqlens), _meta_like(block_table), **kw)
 
             def run(self, q, k_cache, v_cache, out=None, *, softmax_scale=None, softcap=0.0, block_table=None,
-                    return_softmax_lse=False):
+                    return_softmax_lse=False, sinks=None):
                 table = self.table if block_table is None else block_table
-                meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, out, block_table)]
-                super().run(*meta[:4], softmax_scale=softmax_scale, softcap=softcap, block_table=meta[4])
+                meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, out, block_table, sinks)]
+                super().run(*meta[:4], softmax_scale=softmax_scale, softcap=softcap, block_table=meta[4],
+                            sinks=meta[5])
                 stand_ins.calls.append(f"decode{tuple(q.shape[:2])}")
                 stand_ins.decode_table_widths.append(table.shape[1])
                 stand_ins.decode_plans.append(self)
+                stand_ins.masks.append(("decode", self.causal, self.window, sinks))
                 o, _ = reference.decode(q, k_cache, v_cache, self.lengths, table, softmax_scale, self.causal,
-                                        self.window, softcap)
+                                        self.window, softcap, sinks=sinks)
                 out.copy_(o)
                 return out
 
@@ -585,6 +739,71 @@ def test_forward_applies_sliding_window_and_softcap(kernels, sliding_window, sof
     sim.step({0: 1, 1: 1})
     sim.step({0: 2, 1: 13})
     assert kernels.calls == ["varlen", "decode(2, 1)", "varlen"]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,sliding_window", [(8, 1, 64, None), (8, 1, 64, 24),
+                                                                         (4, 4, 128, 9), (8, 2, 256, None)])
+def test_forward_passes_the_sinks_to_every_op(kernels, num_heads, num_kv_heads, head_size, sliding_window):
+    """gpt-oss: vLLM's sinks parameter (bf16) reaches the decode and prefill ops as float32, in every kind of step."""
+    n = MIN_SPLIT_DECODES + 1
+    sim = ServingSimulation(num_heads, num_kv_heads, head_size, prompt_lens=[40] * n + [70], max_len=200,
+                            sliding_window=sliding_window, sinks=True)
+    sim.prefill_cached_prefix(n, 30)
+    kernels.clear()
+    sim.step({r: 20 + r for r in range(n)} | {n: 25})  # prefills, a chunk over a cached prefix
+    sim.step({r: 1 for r in range(n + 1)})  # decode
+    sim.step({r: 3 for r in range(n + 1)})  # verification
+    sim.step({r: 1 for r in range(n)} | {n: 9})  # mixed: split
+    sim.step({r: 1 for r in range(n)}, pad_requests=2, pad_tokens=2)  # graph padding
+    assert kernels.calls == ["varlen", f"decode({n + 1}, 1)", f"decode({n + 1}, 3)", f"decode({n}, 1)", "varlen",
+                             f"decode({n + 2}, 1)"]
+    want = sim.sinks.float()
+    for _, _, _, sinks in kernels.masks:
+        assert sinks.dtype == torch.float32 and torch.equal(sinks, want)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_forward_of_a_bidirectional_decoder_passes_causal_false_and_a_symmetric_window(kernels, sliding_window):
+    n = MIN_SPLIT_DECODES + 1
+    sim = ServingSimulation(8, 2, 64, prompt_lens=[40] * n + [90], sliding_window=sliding_window, causal=False)
+    sim.prefill_cached_prefix(n, 30)
+    kernels.clear()
+    sim.step({r: 20 + r for r in range(n)} | {n: 30})  # prefills, a chunk over a cached prefix
+    sim.step({r: 1 for r in range(n + 1)})  # decode
+    sim.step({r: 4 for r in range(n + 1)})  # verification (DFlash-style blocks of drafts)
+    sim.step({r: 1 for r in range(n)} | {n: 9})  # mixed: split
+    assert kernels.calls == ["varlen", f"decode({n + 1}, 1)", f"decode({n + 1}, 4)", f"decode({n}, 1)", "varlen"]
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    assert {(causal, w) for _, causal, w, _ in kernels.masks} == {(False, window)}
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(32, 32, 96), (8, 2, 40), (4, 1, 200)])
+def test_forward_serves_head_sizes_between_the_kernel_tiles(kernels, num_heads, num_kv_heads, head_size):
+    """Phi-3's 96 and other multiples of 8: the ops take them (run on the next tile up, on the GPU)."""
+    sim = ServingSimulation(num_heads, num_kv_heads, head_size, prompt_lens=[37, 5, 70], sliding_window=32)
+    sim.step({0: 37, 1: 5, 2: 40})
+    sim.step({0: 1, 1: 1, 2: 1})
+    sim.step({0: 4, 1: 4, 2: 4})
+    sim.step({0: 1, 1: 9})
+    assert kernels.calls == ["varlen", "decode(3, 1)", "decode(3, 4)", "varlen"]
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,prompt_lens,sliding_window,sinks",
+    [(12, 12, 64, [7, 30, 1, 64], None, False), (12, 12, 64, [1, 1, 1], None, False),
+     (8, 2, 128, [50, 17], 16, False), (16, 16, 96, [33, 8], None, False), (8, 2, 64, [40, 9], 8, True)],
+)
+def test_forward_of_an_encoder_only_layer_attends_within_each_prompt_without_a_cache(
+    kernels, monkeypatch, num_heads, num_kv_heads, head_size, prompt_lens, sliding_window, sinks
+):
+    monkeypatch.setattr(tk_vllm_backend, "reshape_and_cache_flash", lambda *args: pytest.fail("wrote a KV cache"))
+    md = encoder_only_batch(num_heads, num_kv_heads, head_size, prompt_lens, sliding_window=sliding_window,
+                            sinks=sinks, pad_requests=1, pad_tokens=3)
+    assert md.decode is None
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    assert kernels.calls == ["varlen(no cache)"]
+    assert [m[:3] for m in kernels.masks] == [("varlen", False, window)]
+    assert (kernels.masks[0][3] is not None) == sinks
 
 
 def test_forward_profiling_run_without_metadata_zeroes_output():

@@ -15,6 +15,19 @@ these ways that touch us (checked by reading both releases' sources):
 * The widest "decode" query: 0.33 has `max_decode_query_len(vllm_config)`; 0.26 computes it inline.
 * `AttentionBackendEnum.register` (new names) exists only in 0.33; we do not use it (see __init__.py).
 
+What the TK backend's features need from the selector is the same in both releases (checked in both sources):
+`validate_configuration` refuses sinks through `supports_sink()` and then asks `supports_combination(head_size, ...,
+has_sink, ...)` (where TK refuses sinks at head sizes other than 64/128/256), non-causal decoders through
+`supports_non_causal()` (AttentionConfig.use_non_causal), layer kinds through `supports_attn_type`, head sizes through
+`get_supported_head_sizes` (neither release calls a separate `validate_head_size` for standard attention). Both raise
+"Selected backend {enum member} is not valid ... Reason: [...]" when the selected backend's list is not empty, and
+let any other exception from `validate_configuration` through (0.26 catches ImportError, 0.33 ImportError and
+OSError), which is how TK says its own sentence (backend.py). `CommonAttentionMetadata.causal` is `bool | Tensor`
+in both (a tensor: per-sequence causality); encoder-only layers get the same metadata in both (EncoderOnlyAttention
+wraps the backend's builder to set causal False; the model runner gives the EncoderOnlyAttentionSpec group a
+[num_reqs, 1] block table of zeros and a slot mapping of zeros), and both pass `sinks` to the impl as a keyword,
+the model's parameter in the model's dtype.
+
 Differences that need no gate because the backend is written to both: the impl's `supports_dcp` default flipped
 (True in 0.26, False in 0.33; we set False); `get_required_kv_cache_layout` became `supported_kv_cache_layouts`
 (both default to "any", which is what we want); `CommonAttentionMetadata.seq_lens_cpu` and the builder's
@@ -25,6 +38,8 @@ Features are detected by presence rather than by comparing version numbers, so r
 """
 from __future__ import annotations
 
+import inspect
+
 import vllm
 from packaging.version import Version
 from vllm.v1.attention.backend import AttentionBackend
@@ -34,6 +49,12 @@ VLLM_VERSION = Version(vllm.__version__).release
 
 # 0.26: the backend declares the KV cache's logical shape and physical stride order.
 BACKEND_DECLARES_KV_SHAPE = hasattr(AttentionBackend, "get_kv_cache_shape")
+
+
+def selector_arguments(*args, **kwargs) -> dict:
+    """validate_configuration's arguments by name, as the installed vLLM declares them (0.33 has three more)."""
+    bound = inspect.signature(AttentionBackend.validate_configuration).bind_partial(*args, **kwargs)
+    return dict(bound.arguments)
 
 
 def require_supported_vllm() -> None:

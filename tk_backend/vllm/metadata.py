@@ -12,6 +12,13 @@ kernel, whose 128-row query tiles a one-token request would mostly leave empty, 
 
 Padding: when vLLM replays a full CUDA graph it pads the batch with requests of query length 0 and context
 length 0 at the end. Those keep a batch uniform (the decode op gives a zero-length sequence no work).
+
+Bidirectional attention: a batch whose CommonAttentionMetadata says causal=False (a non-causal decoder, e.g. a
+DFlash drafter) runs through the same two ops with causal=False. Encoder-only layers (BERT-like embedding models:
+vLLM's EncoderOnlyAttention, whose builder subclass sets causal=False) have no KV cache: their builder gets an
+EncoderOnlyAttentionSpec, vLLM hands it a one-column block table of zeros and a slot mapping of zeros, and the
+batch is all whole prompts; the builder then makes no decode plan and the impl attends over the batch's own
+keys (backend.py). A per-sequence causal tensor (a batch mixing causal and bidirectional sequences) is refused.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
 
 from tk_backend.attention import DEFAULT_DECODE_WORKSPACES, MAX_DECODE_Q_LEN, DecodeWorkspacePool, PagedDecode
 from tk_backend.vllm import compat
@@ -50,22 +58,26 @@ class DecodeStep:
     the whole block table where an eager run reads step_block_table's columns (so the two modes plan apart)."""
 
     def __init__(self, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int, q_len: int,
-                 workspaces: DecodeWorkspacePool, plans: dict | None = None) -> None:
+                 workspaces: DecodeWorkspacePool, plans: dict | None = None, causal: bool = True) -> None:
         self.seq_lens = seq_lens  # int32 [batch], device
         self.block_table = block_table  # int32 [batch, max_blocks], device
         self.max_seq_len = max_seq_len
         self.q_len = q_len
         self.workspaces = workspaces
+        self.causal = causal
         self._plans: dict[tuple, PagedDecode] = {} if plans is None else plans
 
     def with_block_table(self, block_table: torch.Tensor) -> "DecodeStep":
         """The step over another KV-cache group's block table of the same shape (update_block_table): the same
         plans and schedules, which depend on the table's width, not its pages."""
-        return DecodeStep(self.seq_lens, block_table, self.max_seq_len, self.q_len, self.workspaces, self._plans)
+        return DecodeStep(self.seq_lens, block_table, self.max_seq_len, self.q_len, self.workspaces, self._plans,
+                          self.causal)
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor, *,
-            softmax_scale: float, window_size: tuple[int, int], softcap: float) -> None:
-        """One layer: query / output [batch * q_len, heads, head_size], the step's decode rows (request-major)."""
+            softmax_scale: float, window_size: tuple[int, int], softcap: float,
+            sinks: torch.Tensor | None = None) -> None:
+        """One layer: query / output [batch * q_len, heads, head_size], the step's decode rows (request-major);
+        sinks: the layer's attention sinks (float32 [heads]) or None."""
         shape = (self.seq_lens.shape[0], self.q_len, query.shape[1], query.shape[2])
         page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         captured = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -75,10 +87,10 @@ class DecodeStep:
         if decode is None:
             decode = self._plans[config] = PagedDecode(self.workspaces).plan(
                 self.seq_lens, table, num_q_heads=shape[2], num_kv_heads=num_kv_heads, head_dim=shape[3],
-                page_size=page_size, q_len=self.q_len, causal=True, window_size=window_size,
+                page_size=page_size, q_len=self.q_len, causal=self.causal, window_size=window_size,
             )
         decode.run(query.view(shape), key_cache, value_cache, output.view(shape), softmax_scale=softmax_scale,
-                   softcap=softcap, block_table=table)
+                   softcap=softcap, block_table=table, sinks=sinks)
 
 
 @dataclasses.dataclass
@@ -101,6 +113,8 @@ class TKAttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None = None
     # The decode requests' (uniform batches: all; mixed: the first num_decodes), as every layer runs them.
     decode: DecodeStep | None = None
+    # False: bidirectional attention (a non-causal decoder, or an encoder-only layer's batch).
+    causal: bool = True
 
     @property
     def is_uniform_decode(self) -> bool:
@@ -145,6 +159,17 @@ def uniform_decode_shape(query_start_loc_cpu: torch.Tensor, max_query_len: int) 
     return int(lens.size), q_len
 
 
+def batch_causality(causal: object) -> bool:
+    """CommonAttentionMetadata.causal as the TK ops take it: one bool for the whole batch."""
+    if isinstance(causal, torch.Tensor):
+        raise NotImplementedError(
+            f"the TK attention backend takes one causal flag per batch, got a per-sequence causal tensor of shape "
+            f"{tuple(causal.shape)} (a batch mixing causal and bidirectional sequences); TK runs a batch either causal "
+            "or bidirectional: choose another backend for this model, for example --attention-backend TRITON_ATTN"
+        )
+    return bool(causal)
+
+
 class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
     # Full CUDA graphs for uniform batches (decode, spec-decode verification); other batches run attention
     # eagerly between piecewise graphs. Varlen prefill sizes its grid from max_seqlen_q/k on the host, so a
@@ -165,6 +190,8 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_size = kv_cache_spec.head_size
+        # Encoder-only layers (module docstring): no KV cache, no decode plans.
+        self.encoder_only = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
         # One pool for every builder, as every layout's workspace serves any batch size.
         self.decode_workspaces = DEFAULT_DECODE_WORKSPACES
 
@@ -175,9 +202,19 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
         fast_build: bool = False,
     ) -> TKAttentionMetadata:
         cm = common_attn_metadata
-        if cm.causal is not True:
-            raise NotImplementedError("the TK attention backend runs causal decoder attention only")
+        causal = batch_causality(cm.causal)
         num_reqs = cm.num_reqs
+        if self.encoder_only:
+            return TKAttentionMetadata(
+                num_actual_tokens=cm.num_actual_tokens,
+                max_query_len=cm.max_query_len,
+                max_seq_len=cm.max_seq_len,
+                query_start_loc=cm.query_start_loc[: num_reqs + 1],
+                seq_lens=cm.seq_lens[:num_reqs],
+                block_table=cm.block_table_tensor[:num_reqs],
+                slot_mapping=cm.slot_mapping,
+                causal=False,
+            )
         shape = uniform_decode_shape(cm.query_start_loc_cpu[: num_reqs + 1], cm.max_query_len)
         decode_batch, decode_query_len = shape if shape is not None else (0, 0)
         num_decodes, prefill_query_start_loc = 0, None
@@ -190,10 +227,11 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
         seq_lens, block_table = cm.seq_lens[:num_reqs], cm.block_table_tensor[:num_reqs]
         decode = None
         if shape is not None:
-            decode = DecodeStep(seq_lens, block_table, cm.max_seq_len, decode_query_len, self.decode_workspaces)
+            decode = DecodeStep(seq_lens, block_table, cm.max_seq_len, decode_query_len, self.decode_workspaces,
+                                causal=causal)
         elif num_decodes > 0:
             decode = DecodeStep(seq_lens[:num_decodes], block_table[:num_decodes], cm.max_seq_len, 1,
-                                self.decode_workspaces)
+                                self.decode_workspaces, causal=causal)
         return TKAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
@@ -207,6 +245,7 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
             num_decodes=num_decodes,
             prefill_query_start_loc=prefill_query_start_loc,
             decode=decode,
+            causal=causal,
         )
 
     def update_block_table(
