@@ -12,8 +12,9 @@ Registers two things under the name "tk":
 
 Causal masks are bottom-right aligned, so decoding with a cache (fewer queries than keys) needs no offsets;
 with left padding (what `generate` does) the padded positions are simply dropped. GQA is native to the ops;
-sliding windows (Mistral-style `sliding_window`) and logit soft-capping (Gemma-2-style `softcap`) are passed
-through. Attention sinks and attention dropout in training are refused.
+sliding windows (Mistral-style `sliding_window`), logit soft-capping (Gemma-2-style `softcap`) and attention sinks
+(gpt-oss passes `s_aux=module.sinks`, as to flash-attn; the ops take them as float32, at head dims 64, 128 and
+256) are passed through. Attention dropout in training is refused.
 """
 from __future__ import annotations
 
@@ -82,9 +83,8 @@ def tk_attention_forward(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [B, Hq, Sq, D], key/value [B, Hkv, Sk, D] -> ([B, Sq, Hq, D], None), as transformers expects."""
-    if s_aux is not None:
-        raise NotImplementedError('attn_implementation="tk" does not support attention sinks (s_aux)')
+    """query [B, Hq, Sq, D], key/value [B, Hkv, Sk, D] -> ([B, Sq, Hq, D], None), as transformers expects.
+    s_aux: the layer's attention sinks [Hq] (gpt-oss), any float dtype."""
     if dropout > 0.0 and module.training:
         raise NotImplementedError(f'attn_implementation="tk" does not implement attention dropout (got {dropout})')
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -99,7 +99,9 @@ def tk_attention_forward(
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H, D]
     causal = bool(module.is_causal if is_causal is None else is_causal)
     window = _window(sliding_window, k.shape[1])
-    common = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=float(softcap or 0.0))
+    sinks = None if s_aux is None else s_aux.to(device=query.device, dtype=torch.float32)
+    common = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=float(softcap or 0.0),
+                  sinks=sinks)
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if attention_mask is None and cu_q is None:

@@ -1,8 +1,8 @@
 """transformers' attn_implementation="tk" on CPU, with the float32 references standing in for the kernels.
 
-Checks the plumbing, not the kernels: that "tk" is registered with a mask function, that tiny Llama / Mistral
-models produce eager attention's logits through it (no padding, left and right padding, a KV cache during
-generation, packed sequences, GQA, a sliding window), and which op each case goes through.
+Checks the plumbing, not the kernels: that "tk" is registered with a mask function, that tiny Llama / Mistral /
+gpt-oss models produce eager attention's logits through it (no padding, left and right padding, a KV cache during
+generation, packed sequences, GQA, a sliding window, attention sinks), and which op each case goes through.
 """
 from __future__ import annotations
 
@@ -23,26 +23,47 @@ def _meta_like(t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
 
 
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """What the real ops check of sinks (float32 [q heads] on q's device, head dims 64/128/256)."""
+    if sinks is not None:
+        attention.validate_sinks(torch.empty_strided(sinks.shape, sinks.stride(), dtype=sinks.dtype, device="meta"),
+                                 _meta_like(q))
+
+
+def _uniform_cu_seqlens(batch: int, length: int) -> torch.Tensor:
+    return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32)
+
+
 class _KernelStandIns:
     def __init__(self):
         self.calls: list[str] = []
+        self.sinks: list[torch.Tensor | None] = []  # each call's
 
     def dense(self, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, out=None,
-              return_softmax_lse=False):
+              return_softmax_lse=False, sinks=None):
         attention.validate_dense(*map(_meta_like, (q, k, v)), softmax_scale, causal, window_size, softcap, None)
+        _check_sinks(sinks, q)
         self.calls.append("dense")
-        return reference.attention_dense(q, k, v, causal, softmax_scale, window_size, softcap)[0].to(q.dtype)
+        self.sinks.append(sinks)
+        (bsz, nq, hq, d), nk = q.shape, k.shape[1]
+        out, _ = reference.attention(q.reshape(bsz * nq, hq, d), k.reshape(bsz * nk, -1, d),
+                                     v.reshape(bsz * nk, -1, d), _uniform_cu_seqlens(bsz, nq),
+                                     _uniform_cu_seqlens(bsz, nk), softmax_scale, causal, window_size, softcap,
+                                     sinks=sinks)
+        return out.view(bsz, nq, hq, d).to(q.dtype)
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
-               return_softmax_lse=False):
+               return_softmax_lse=False, sinks=None):
         attention.validate_varlen(*map(_meta_like, (q, k, v, cu_seqlens_q, cu_seqlens_k)), max_seqlen_q,
                                   max_seqlen_k, softmax_scale, causal, window_size, softcap, None, None, None)
+        _check_sinks(sinks, q)
         assert int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q
         assert int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) <= max_seqlen_k
         self.calls.append("varlen")
+        self.sinks.append(sinks)
         out, _ = reference.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
-                                     softcap)
+                                     softcap, sinks=sinks)
         return out.to(q.dtype)
 
 
@@ -55,11 +76,21 @@ def kernels(monkeypatch) -> _KernelStandIns:
 
 
 def _model(kind: str = "llama", attn: str = "tk", **overrides):
-    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[kind]
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "gpt_oss": transformers.GptOssConfig}[kind]
+    if kind == "gpt_oss":  # gpt-oss-20b's attention (head dim 64, GQA, alternating windows, sinks), a tiny MoE
+        overrides = dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=1.0,
+                                              original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0),
+                         **overrides)
     config = config_cls(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    if kind == "gpt_oss":  # sinks of trained gpt-oss's magnitude, not the initializer's ~0
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
     return model.eval()
 
 
@@ -158,13 +189,64 @@ def test_sliding_window_matches_eager(kernels):
         _close(tk(ids, attention_mask=mask).logits[real], eager(ids, attention_mask=mask).logits[real])
 
 
-def test_refuses_sinks_and_training_dropout():
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt_oss_attention_sinks_match_eager(kernels, padded):
+    tk, eager = _pair("gpt_oss")
+    ids = torch.randint(0, 300, (2, 15))
+    mask = torch.ones(2, 15, dtype=torch.long)
+    if padded:
+        mask[1, :6] = 0
+    with torch.no_grad():
+        got, want = tk(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+    _close(got[mask.bool()], want[mask.bool()])
+    assert kernels.calls == (["varlen"] if padded else ["dense"]) * 2
+    for sinks, layer in zip(kernels.sinks, tk.model.layers):
+        assert sinks.dtype == torch.float32 and torch.equal(sinks, layer.self_attn.sinks.float())
+
+
+def test_gpt_oss_generate_with_sinks_and_a_cache_matches_eager(kernels):
+    tk, eager = _pair("gpt_oss")
+    ids = torch.randint(3, 300, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    args = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        out_tk = tk.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
+        out_eager = eager.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
+    assert torch.equal(out_tk.sequences, out_eager.sequences)
+    for a, b in zip(out_tk.logits, out_eager.logits):
+        _close(a, b)
+    assert all(s is not None for s in kernels.sinks)
+
+
+def test_s_aux_reaches_the_ops_as_float32_sinks(kernels):
+    """transformers passes the module's sinks parameter (its dtype, e.g. bf16) as s_aux; the ops take float32."""
+    module = torch.nn.Linear(2, 2)
+    module.is_causal = True
+    q, k = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 3, 64)
+    s_aux = torch.randn(4).to(torch.bfloat16)
+    tk_hf.tk_attention_forward(module, q, k, k, None, s_aux=s_aux)
+    tk_hf.tk_attention_forward(module, q, k, k, torch.ones(1, 3, dtype=torch.long), s_aux=s_aux)
+    assert kernels.calls == ["dense", "varlen"]
+    for sinks in kernels.sinks:
+        assert sinks.dtype == torch.float32 and torch.equal(sinks, s_aux.float())
+    tk_hf.tk_attention_forward(module, q, k, k, None)
+    assert kernels.sinks[-1] is None
+
+
+def test_sinks_at_a_head_dim_the_kernels_lack_are_refused_by_the_op(kernels):
+    module = torch.nn.Linear(2, 2)
+    module.is_causal = True
+    q, k = torch.randn(1, 4, 3, 96), torch.randn(1, 2, 3, 96)
+    with pytest.raises(ValueError, match="attention sinks need head dim 64, 128 or 256, got 96"):
+        tk_hf.tk_attention_forward(module, q, k, k, None, s_aux=torch.zeros(4))
+
+
+def test_refuses_training_dropout():
     module = torch.nn.Linear(2, 2)
     module.is_causal = True
     q = torch.randn(1, 4, 3, 64)
     k = torch.randn(1, 2, 3, 64)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        tk_hf.tk_attention_forward(module, q, k, k, None, s_aux=torch.zeros(4))
     module.train()
     with pytest.raises(NotImplementedError, match="dropout"):
         tk_hf.tk_attention_forward(module, q, k, k, None, dropout=0.1)

@@ -9,6 +9,9 @@ load plugins. A member added at run time (`AttentionBackendEnum.register`, in 0.
 yet at that point, and vLLM 0.26 cannot add members at all. CUSTOM always exists, pickles as itself, and resolves
 to our class once the plugin has run, so `TK`, `tk` and `CUSTOM` select the same backend under fork and spawn.
 
+Since TK is CUSTOM to vLLM, vLLM's own "Selected backend AttentionBackendEnum.CUSTOM is not valid" would name the
+member, not TK: the backend's validate_configuration raises its own sentence instead (backend.py).
+
 Importing this package registers too, so `LLM(..., attention_config={"backend": "TK"})` works in a script
 that imported `tk_backend.vllm` first (vLLM parses that dict before it loads plugins);
 `LLM(..., attention_backend="TK")` and `vllm serve --attention-backend TK` need no import.
