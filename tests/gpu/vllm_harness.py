@@ -1,5 +1,5 @@
-"""What the vLLM end-to-end tests share: reading prompt logprobs and greedy tokens out of an engine (inside a
-worker process), and comparing two such runs (in the test process)."""
+"""What the vLLM end-to-end tests share: reading prompt logprobs and greedy tokens (or pooled embeddings) out of an
+engine (inside a worker process), and comparing two such runs (in the test process)."""
 from __future__ import annotations
 
 import json
@@ -36,18 +36,20 @@ def workdir(tmp_path_factory, name: str) -> Path:
 E2E_KV_CACHE_BYTES = 4 << 30
 
 
-def run_workers(jobs: list[tuple[Path, list[str], dict[str, str]]], cwd: Path, timeout_s: float) -> list[dict]:
+def try_workers(jobs: list[tuple[Path, list[str], dict[str, str]]], cwd: Path, timeout_s: float
+                ) -> list[dict | str]:
     """Runs each (out, command, env) whose `out` does not exist yet, all at once, each in its own process, and
-    returns every job's results (the JSON its worker wrote to `out`); a worker's stdout and stderr go to `out`
-    with the suffix .log. Concurrent engines must not size their KV cache by profiling free memory (another
-    engine's allocations would count as theirs): set kv_cache_memory_bytes in the workers."""
+    returns per job the results (the JSON its worker wrote to `out`) or, for a worker that failed, a report of the
+    failure (its exit status and the end of its log); a worker's stdout and stderr go to `out` with the suffix
+    .log. Concurrent engines must not size their KV cache by profiling free memory (another engine's allocations
+    would count as theirs): set kv_cache_memory_bytes in the workers."""
     procs = []
     for out, command, env in jobs:
         if not out.exists():
             with open(out.with_suffix(".log"), "w") as log:
                 procs.append((out, subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)))
     deadline = time.monotonic() + timeout_s
-    failures = []
+    failures = {}
     for out, proc in procs:
         try:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -56,21 +58,29 @@ def run_workers(jobs: list[tuple[Path, list[str], dict[str, str]]], cwd: Path, t
             proc.wait()
         if proc.returncode != 0:
             log = out.with_suffix(".log").read_text(errors="replace")
-            failures.append(f"{out.name} worker failed (rc {proc.returncode}):\n{log[-6000:]}")
+            failures[out] = f"{out.name} worker failed (rc {proc.returncode}):\n{log[-6000:]}"
+    return [failures[out] if out in failures else json.loads(out.read_text()) for out, _, _ in jobs]
+
+
+def run_workers(jobs: list[tuple[Path, list[str], dict[str, str]]], cwd: Path, timeout_s: float) -> list[dict]:
+    """try_workers, asserting that every worker succeeded."""
+    results = try_workers(jobs, cwd, timeout_s)
+    failures = [r for r in results if isinstance(r, str)]
     assert not failures, "\n\n".join(failures)
-    return [json.loads(out.read_text()) for out, _, _ in jobs]
+    return results
 
 
 # Engines prelaunch starts together at most (each takes ~6 GB of a GPU and a few CPU cores while it starts).
 PRELAUNCH_AT_ONCE = 8
 
 
-def prelaunch(request, plan, cwd: Path, timeout_s: float, at_once: int = PRELAUNCH_AT_ONCE) -> None:
+def prelaunch(request, plan, cwd: Path, timeout_s: float, at_once: int = PRELAUNCH_AT_ONCE) -> dict[Path, str]:
     """Runs the engines of every selected, not skipped test of the calling module together (at_once at a time),
     before the first of them starts (call it from a module-scoped autouse fixture): plan(item) gives a test
     item's jobs as run_workers takes them ([] for none). Each test then finds its engines' results written
     (run_workers skips a job whose `out` exists), so a file's tests share engine start-ups instead of paying
-    one each. An engine that failed here runs again in its own test, which reports the failure."""
+    one each. An engine that failed here runs again in its own test, which reports the failure, unless the test
+    takes the report returned here (out -> try_workers' report of each failed engine)."""
     jobs, seen = [], set()
     for item in request.session.items:
         if item.module is not request.module or item.get_closest_marker("skip"):
@@ -79,13 +89,16 @@ def prelaunch(request, plan, cwd: Path, timeout_s: float, at_once: int = PRELAUN
             if job[0] not in seen:
                 seen.add(job[0])
                 jobs.append(job)
+    failures: dict[Path, str] = {}
     if len(jobs) < 2:
-        return
+        return failures
     for first in range(0, len(jobs), at_once):
-        try:
-            run_workers(jobs[first: first + at_once], cwd=cwd, timeout_s=timeout_s)
-        except AssertionError as failed:  # the test that owns the engine runs it again and reports
-            print(f"prelaunch: {str(failed)[:3000]}")
+        chunk = jobs[first: first + at_once]
+        for (out, _, _), result in zip(chunk, try_workers(chunk, cwd=cwd, timeout_s=timeout_s)):
+            if isinstance(result, str):  # the test that owns the engine reports it
+                print(f"prelaunch: {result[:3000]}")
+                failures[out] = result
+    return failures
 
 
 def prompt_logprobs(llm, prompts) -> tuple[list[list[float]], list[list[int]]]:
@@ -159,4 +172,39 @@ def assert_agrees_like_yardstick(candidate: tuple[dict, dict], yardstick: tuple[
     assert top1_c >= top1_y - top1_margin, report
     assert diff_c <= max_diff_factor * diff_y + max_diff_slack, report
     assert prefix_c >= prefix_factor * prefix_y, report
+    return report
+
+
+def embeddings(llm, prompts) -> list[list[float]]:
+    """A pooling engine's embedding of each prompt."""
+    return [list(o.outputs.embedding) for o in llm.embed(prompts, use_tqdm=False)]
+
+
+def cosine_distances(a: dict, b: dict) -> list[float]:
+    """1 - cosine similarity of the two runs' embeddings of each prompt."""
+    import math
+
+    distances = []
+    for x, y in zip(a["embeddings"], b["embeddings"]):
+        dot = sum(p * q for p, q in zip(x, y))
+        norm = math.sqrt(sum(p * p for p in x) * sum(q * q for q in y))
+        distances.append(1.0 - dot / norm)
+    return distances
+
+
+def assert_embeds_like_yardstick(candidate: tuple[dict, dict], yardstick: tuple[dict, dict], *, mean_factor: float,
+                                 max_factor: float, slack: float) -> str:
+    """The candidate pair's embeddings are as close (cosine) as the yardstick pair's (two correct
+    implementations), within the caller's noise margins; returns (and prints) the report."""
+    import math
+
+    (a, b), (x, y) = candidate, yardstick
+    dist_c, dist_y = cosine_distances(a, b), cosine_distances(x, y)
+    mean_c, mean_y = sum(dist_c) / len(dist_c), sum(dist_y) / len(dist_y)
+    report = (f"{a['name']} vs {b['name']}: 1 - cos mean {mean_c:.2e}, max {max(dist_c):.2e} | yardstick "
+              f"{x['name']} vs {y['name']}: mean {mean_y:.2e}, max {max(dist_y):.2e} ({len(dist_c)} prompts)")
+    print(report)
+    assert all(math.isfinite(d) for d in dist_c), f"{a['name']}: non-finite embeddings"
+    assert mean_c <= mean_factor * mean_y + slack, report
+    assert max(dist_c) <= max_factor * max(dist_y) + slack, report
     return report
