@@ -149,19 +149,24 @@ def test_padded_batch_matches_eager_on_real_tokens(kernels, side):
     assert set(kernels.calls) == {"varlen"}
 
 
-def test_generate_with_left_padding_and_cache_matches_eager(kernels):
-    tk, eager = _pair()
-    ids = torch.randint(3, 300, (3, 12))
-    mask = torch.ones(3, 12, dtype=torch.long)
-    mask[1, :5] = 0
-    mask[2, :11] = 0
-    args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+def _generate_matches_eager(tk, eager, left_padding: list[int], length: int, max_new_tokens: int) -> None:
+    """Greedy generation with a KV cache from left-padded prompts: the same tokens and logits at every step."""
+    ids = torch.randint(3, 300, (len(left_padding), length))
+    mask = torch.ones(len(left_padding), length, dtype=torch.long)
+    for row, pad in enumerate(left_padding):
+        mask[row, :pad] = 0
+    args = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                eos_token_id=None)
     with torch.no_grad():
         out_tk = tk.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
         out_eager = eager.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
     assert torch.equal(out_tk.sequences, out_eager.sequences)
     for a, b in zip(out_tk.logits, out_eager.logits):
         _close(a, b)
+
+
+def test_generate_with_left_padding_and_cache_matches_eager(kernels):
+    _generate_matches_eager(*_pair(), left_padding=[0, 5, 11], length=12, max_new_tokens=6)
     assert "varlen" in kernels.calls  # the padded prefill and the decode steps that see padded keys
 
 
@@ -205,18 +210,8 @@ def test_gpt_oss_attention_sinks_match_eager(kernels, padded):
 
 
 def test_gpt_oss_generate_with_sinks_and_a_cache_matches_eager(kernels):
-    tk, eager = _pair("gpt_oss")
-    ids = torch.randint(3, 300, (2, 10))
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[1, :3] = 0
-    args = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.no_grad():
-        out_tk = tk.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
-        out_eager = eager.generate(ids, output_logits=True, return_dict_in_generate=True, **args)
-    assert torch.equal(out_tk.sequences, out_eager.sequences)
-    for a, b in zip(out_tk.logits, out_eager.logits):
-        _close(a, b)
-    assert all(s is not None for s in kernels.sinks)
+    _generate_matches_eager(*_pair("gpt_oss"), left_padding=[0, 3], length=10, max_new_tokens=5)
+    assert kernels.sinks and all(s is not None for s in kernels.sinks)
 
 
 def test_s_aux_reaches_the_ops_as_float32_sinks(kernels):
