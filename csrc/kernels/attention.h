@@ -75,6 +75,40 @@ struct attn_decode_problem {
 };
 
 void attn_decode(const attn_decode_problem& p, cudaStream_t stream);
+
+// FP8 (e4m3) K/V caches hold x / scale; attention reads stored * descale. Each descale is float32 [batch, hkv]
+// (flash-attn's k_descale / v_descale; a per-tensor scale expanded: strides 0) at element strides (sequence, kv
+// head), or null for 1. q stays 16-bit: q_descale multiplies it, as flash-attn defines it (null: 1).
+struct attn_kv_descales {
+  const float *q, *k, *v;
+  long q_strides[2], k_strides[2], v_strides[2];
+};
+
+// attn_decode over e4m3 caches (p.k / p.v hold its bytes; p.type is q's dtype, and out's): the split kernel
+// dequantizes each K/V tile to fp16 on chip (decode_fp8.cu).
+void attn_decode_fp8(const attn_decode_problem& p, const attn_kv_descales& descales, cudaStream_t stream);
+
+// The pages of an e4m3 paged cache that a varlen batch reads, dequantized into a 16-bit scratch cache of the same
+// block layout (fp8_pages.cu) for the paged prefill kernel: sequence b's page j (j < ceil(keys_b / block_size),
+// keys_b = seqused_k[b], else cu_seqlens_k[b + 1] - cu_seqlens_k[b]) becomes scratch page b * max_pages + j, and
+// scratch_table[b, j] = b * max_pages + j (so pages shared between sequences take each one's descales). The
+// scratch holds k * k_descale[b, h] * q_descale[b, h] (the scores' factors) and v * v_descale[b, h].
+struct fp8_pages_problem {
+  dtype type;  // the scratch's 16-bit type (q's)
+  int head_dim, hkv, block_size, batch, max_pages;
+  const void *k, *v;                // e4m3 pages [num_blocks, block_size, hkv, head_dim]
+  long k_strides[3], v_strides[3];  // block, token-in-block, head (elements: bytes)
+  const int* block_table;           // [batch, bt_stride], at least max_pages columns used
+  long bt_stride;
+  int bt_width;  // the table's columns: pages past them are not read
+  const int* cu_seqlens_k;  // [batch + 1], or null (then seqused_k)
+  const int* seqused_k;     // [batch] or null
+  attn_kv_descales descales;
+  void *k_out, *v_out;  // [batch * max_pages, block_size, hkv, head_dim] contiguous, q's dtype
+  int* table_out;       // [batch, max_pages] contiguous
+};
+void fp8_pages_dequantize(const fp8_pages_problem& p, cudaStream_t stream);
+
 constexpr int DECODE_MAX_COARSEN_LEVELS = 15;  // decode_plan.MAX_COARSEN_LEVELS
 constexpr int DECODE_BALANCED_MAX_CTAS = 1024;  // balanced mode's schedule kernel: two CTAs a thread
 

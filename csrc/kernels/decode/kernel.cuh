@@ -4,10 +4,14 @@
 // producer streams the item's keys page piece by page piece (16 rows, any block size). Each item leaves a
 // normalised partial output and its LSE for the merge (merge.cuh); an item that covers its sequence's whole visible
 // range writes out and lse itself, and the merge passes its segment by.
+// Over FP8 caches (P.fp8_kv) the ring holds e4m3 tiles: the consumer converts K_j into an fp16 buffer before
+// S_j = Q K_j^T and V_j into another once P_{j-1} V_{j-1} is done with it (dequant.cuh); queries and P are fp16,
+// k_descale (and q_descale) fold into the task's score scale and v_descale scales its output rows.
 #pragma once
 #include "../attention/masks.cuh"
 #include "../attention/paging.cuh"
 #include "../attention/softmax.cuh"
+#include "dequant.cuh"
 #include "policy.cuh"
 #include "schedule.cuh"
 
@@ -18,12 +22,15 @@ struct attn_decode_split {
   static constexpr int D = P.head_dim, consumers = 1, ROWS = 64, PIECE = 16, KV = P.kv_rows, stages = P.stages;
   // Chained to whatever came before (balanced mode: its schedule kernel), and the merge to this one: each
   // launch overlaps the previous kernel's tail (the b1 cases are a few microseconds a kernel).
-  static constexpr lcsf::options pipeline{.chain = lcsf::launch_chain::chained};
-  using q_tile = st<T, ROWS, D>;
-  using kv_tile = st<T, KV, D>;
-  using piece = st<T, PIECE, D>;
-  static constexpr int COLS = P.ragged_head_dim ? RUNTIME : D;   // the caches' head dim
-  using pages_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, COLS, piece>;  // (blocks, heads, block_size, head dim)
+  // fp8: a stage is converted, and free, by the end of its compute.
+  static constexpr lcsf::options pipeline{.release_lag = P.fp8_kv ? 0 : 1, .chain = lcsf::launch_chain::chained};
+  using mma_t = std::conditional_t<P.fp8_kv, half, T>;      // the products' inputs
+  using cache_t = std::conditional_t<P.fp8_kv, fp8e4m3, T>;  // the caches' elements
+  using q_tile = st<mma_t, ROWS, D>;
+  using kv_tile = st<cache_t, KV, D>;
+  using piece = st<cache_t, PIECE, D>;
+  static constexpr int COLS = P.ragged_head_dim ? RUNTIME : D;         // the caches' head dim
+  using pages_gl = gl<cache_t, RUNTIME, RUNTIME, RUNTIME, COLS, piece>;  // (blocks, heads, block_size, head dim)
 
   struct globals {
     pages_gl k, v;
@@ -55,17 +62,21 @@ struct attn_decode_split {
     int hq;
     const float* sinks;  // P.sinks: [hq] float32
     int head_dim;        // the columns of q and out (D, or less with ragged_head_dim)
+    tk::attn_kv_descales descales;  // P.fp8_kv
   };
   struct input_block { kv_tile k, v; };
-  struct scratch_block { q_tile q; };
+  struct plain_scratch { q_tile q; };
+  struct fp8_scratch { q_tile q; st<half, KV, D> k, v; };  // and the fp16 K and V the products read
+  using scratch_block = std::conditional_t<P.fp8_kv, fp8_scratch, plain_scratch>;
   using s_tile = rt_fl<16, KV>;
   using row_vec = typename s_tile::per_row;
   struct consumer_state {
     rt_fl<16, D> o;
-    rt<T, 16, KV> p;
+    rt<mma_t, 16, KV> p;
     row_vec m, l, rescale;
     bool rescale_o;  // whether o must take `rescale` (lazy rescaling: no row's max moved, see RESCALE_THRESHOLD)
     const kv_tile* v_prev;
+    float scale_log2, out_scale;  // P.fp8_kv: the task's score scale (descales folded in) and output scale
   };
   struct task_t { int item, b, h, start, end, base, len, iters; };
 
@@ -113,19 +124,32 @@ struct attn_decode_split {
                                        });
   }
 
-  __device__ static void init_state(consumer_state& s, int) { reset(s); }
+  __device__ static void init_state(consumer_state& s, int) {
+    reset(s);
+    s.scale_log2 = 0.f, s.out_scale = 1.f;  // finite before a first task (an empty one finishes with o = 0)
+  }
   __device__ static void reset(consumer_state& s) {
     zero(s.o);
     fill(s.m, -INFINITY);
     zero(s.l);
   }
-  __device__ static tk::attn::scoring scoring(const globals& g) { return {g.scale_log2, g.softcap}; }
+  __device__ static tk::attn::scoring scoring(const globals& g, const consumer_state& s) {
+    return {P.fp8_kv ? s.scale_log2 : g.scale_log2, g.softcap};
+  }
+  // The task's descales (P.fp8_kv), read as it starts: q's and k's scale its scores, v's its output rows.
+  __device__ static void load_descales(consumer_state& s, const globals& g, const task_t& t) {
+    const tk::attn_kv_descales& d = g.descales;
+    const auto at = [&](const float* x, const long* stride) { return x ? x[t.b * stride[0] + t.h * stride[1]] : 1.f; };
+    s.scale_log2 = g.scale_log2 * at(d.q, d.q_strides) * at(d.k, d.k_strides);
+    s.out_scale = at(d.v, d.v_strides);
+  }
   // Keys of other items (past `end`) are hidden like keys past the sequence; the query of row r is r / group.
   __device__ static tk::attn::visibility<true> visibility(const globals& g, const task_t& t) {
     return {t.end, t.len - g.q_len, g.window_left, g.window_right, g.group, bool(g.causal)};
   }
 
   // The packed query tile: row r = t * group + g holds q[b, t, h * group + g]; rows past q_len * group are 0.
+  // (fp8: as fp16, and published with the first K tile's conversion.)
   __device__ static void load_queries(scratch_block& scratch, const globals& g, const task_t& t) {
     constexpr int vecs_per_row = D * int(sizeof(T)) / 16;
     const int rows = g.q_len * g.group;
@@ -137,10 +161,35 @@ struct attn_decode_split {
         x = *reinterpret_cast<const uint4*>(g.q + t.b * g.q_strides[0] + tok * g.q_strides[1] +
                                             head * g.q_strides[2] + col);
       }
+      if constexpr (P.fp8_kv) x = to_half_unit<T>(x);  // the products' type
       detail::st_shared_16B(scratch.q.ref().addr(r, col), x);
     }
-    fence_async_shared();  // the tile is read by wgmma next
+    if constexpr (!P.fp8_kv) publish();  // the tile is read by wgmma next
+  }
+  // The warpgroup's shared-memory writes, visible to its wgmma: the proxy fence, then the warpgroup barrier.
+  __device__ static void publish() {
+    fence_async_shared();
     warpgroup::sync(1);
+  }
+  // The K tile S = Q K^T reads and the V tile of the previous P V: the ring's, or (fp8) the fp16 buffers.
+  __device__ static const auto& k_operand(const input_block& in, const scratch_block& scratch) {
+    if constexpr (P.fp8_kv) return scratch.k;
+    else return in.k;
+  }
+  __device__ static const auto& v_operand(const consumer_state& s, const scratch_block& scratch) {
+    if constexpr (P.fp8_kv) return scratch.v;
+    else return *s.v_prev;
+  }
+  // Stage `it`'s V for the next P V: kept in the ring, or (fp8) converted into the V buffer, its rows past the
+  // item's end zeroed (drain's reason), once every warp is done with its products (the barrier: a warp's wait covers
+  // its own part of a product only), so that the V buffer, and the K buffer after it, may be rewritten.
+  __device__ static void keep_v(consumer_state& s, input_block& in, scratch_block& scratch, const task_t& t, int it) {
+    if constexpr (P.fp8_kv) {
+      warpgroup::sync(1);
+      dequantize(scratch.v, in.v, t.end - (t.base + it * KV));
+    } else {
+      s.v_prev = &in.v;
+    }
   }
 
   // Only the packed rows q_len * group hold queries (4 or 8 of the 64 at q_len 1 and GQA groups of 4 / 8): a warp
@@ -154,55 +203,76 @@ struct attn_decode_split {
     }
     constexpr tk::attn::softmax_step all_rows{.lazy_rescale = true}, first_eight{.lazy_rescale = true, .row_slots = 1};
     if (live <= 8)
-      s.rescale_o = tk::attn::online_softmax<first_eight>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t), row0,
-                                                          t.base + it * KV);
+      s.rescale_o = tk::attn::online_softmax<first_eight>(att, s.m, s.l, s.rescale, scoring(g, s), visibility(g, t),
+                                                          row0, t.base + it * KV);
     else
-      s.rescale_o = tk::attn::online_softmax<all_rows>(att, s.m, s.l, s.rescale, scoring(g), visibility(g, t), row0,
-                                                       t.base + it * KV);
+      s.rescale_o = tk::attn::online_softmax<all_rows>(att, s.m, s.l, s.rescale, scoring(g, s), visibility(g, t),
+                                                       row0, t.base + it * KV);
   }
 
   __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                        const task_t& t, int) {
+    if constexpr (P.fp8_kv) load_descales(s, g, t);
     load_queries(scratch, g, t);
+    if constexpr (P.fp8_kv) {
+      dequantize(scratch.k, in.k, KV);
+      publish();
+    }
     s_tile att;
-    warpgroup::mm_ABt(att, scratch.q, in.k);
+    warpgroup::mm_ABt(att, scratch.q, k_operand(in, scratch));
     warpgroup::mma_async_wait<0>();
     softmax(s, att, g, t, 0);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    s.v_prev = &in.v;
+    keep_v(s, in, scratch, t, 0);
   }
 
   // Tile j: S_j and the previous tile's P V go out together; the softmax of S_j overlaps that P V.
+  // fp8: the K buffer is free (keep_v's barrier), and publishing K_j publishes V_{j-1} too.
   __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int) {
+    if constexpr (P.fp8_kv) {
+      dequantize(scratch.k, in.k, KV);
+      publish();
+    }
     s_tile att;
-    warpgroup::mm_ABt(att, scratch.q, in.k);
+    warpgroup::mm_ABt(att, scratch.q, k_operand(in, scratch));
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
-    warpgroup::mma_AB(s.o, s.p, *s.v_prev);
+    warpgroup::mma_AB(s.o, s.p, v_operand(s, scratch));
     warpgroup::mma_async_wait<1>();
     softmax(s, att, g, t, it);
     warpgroup::mma_async_wait<0>();
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    s.v_prev = &in.v;
+    keep_v(s, in, scratch, t, it);
   }
 
   // Before the last P V: the tile's rows past the item's end are masked (P = 0), but at the sequence's end
   // they hold whatever the page held before, and 0 * NaN is NaN in P V, so they are zeroed first.
-  __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int) {
-    const int tail = t.end - (t.base + (t.iters - 1) * KV);
-    if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1);
+  // (fp8: keep_v zeroed them in the V buffer, which is published here.)
+  __device__ static void drain(consumer_state& s, scratch_block& scratch, const globals&, const task_t& t, int) {
+    if constexpr (P.fp8_kv) {
+      publish();
+    } else {
+      const int tail = t.end - (t.base + (t.iters - 1) * KV);
+      if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1);
+    }
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
-    warpgroup::mma_AB(s.o, s.p, *s.v_prev);
+    warpgroup::mma_AB(s.o, s.p, v_operand(s, scratch));
     wgmma::fence_operand(s.p);
+  }
+
+  // o normalised (and, fp8, times v's descale) and the rows' LSE.
+  __device__ static void finalize(consumer_state& s, row_vec& lse, const globals& g) {
+    tk::attn::finalize(s.o, lse, s.m, s.l, scoring(g, s));
+    if constexpr (P.fp8_kv) mul(s.o, s.o, s.out_scale);
   }
 
   // Row r of the item is query token r / group of head h * group + r % group: out[b, token, head, :] and
   // lse[b, head, token], each thread writing its two rows' column pairs.
   __device__ static void write_output(consumer_state& s, const globals& g, const task_t& t) {
     row_vec lse;
-    tk::attn::finalize(s.o, lse, s.m, s.l, scoring(g));
+    finalize(s, lse, g);
     using F = frag<row_l>;
     const int rows = g.q_len * g.group, r0 = warpgroup::warp() * 16;
     if constexpr (P.sinks) {  // the rows' heads' sinks (padding rows: any finite value)
@@ -243,7 +313,7 @@ struct attn_decode_split {
     if (t.iters > 0) {
       const int rows = g.q_len * g.group;
       row_vec lse;
-      tk::attn::finalize(s.o, lse, s.m, s.l, scoring(g));
+      finalize(s, lse, g);
       warpgroup::store(g.partial_out, s.o, {.d = t.item}, rows);
       if (laneid() % 4 == 0) {
 #pragma unroll

@@ -1,6 +1,6 @@
 // Decode's host side: a launch's globals from the problem, schedule (balanced mode) -> decode -> merge, each chained
-// to the one before, and the dispatch over the policy table. Included by decode.cu, decode_sinks.cu and
-// decode_ragged.cu, each instantiating its flavour of the variants. The kernels are each translation unit's own (an anonymous namespace:
+// to the one before, and the dispatch over the policy table. Included by decode.cu, decode_sinks.cu,
+// decode_ragged.cu and decode_fp8.cu, each instantiating its flavour of the variants. The kernels are each translation unit's own (an anonymous namespace:
 // internal linkage, so a `.entry`, not an exported one, as ptxas lays out their shared memory).
 #pragma once
 #include "../../kittens/kittens.cuh"
@@ -20,15 +20,16 @@ template <typename T, policy P, schedule_source Source>
 struct local_kernel : attn_decode_split<T, P, Source> {};
 
 template <typename T, policy P, schedule_source Source>
-void launch(const tk::attn_decode_problem& p, cudaStream_t stream) {
+void launch(const tk::attn_decode_problem& p, const tk::attn_kv_descales& descales, cudaStream_t stream) {
   using K = local_kernel<T, P, Source>;
   constexpr int D = P.head_dim;
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
+  auto cache = [](const void* x) { return static_cast<typename K::cache_t*>(const_cast<void*>(x)); };
   const int group = p.hq / p.hkv, rows = p.q_len * group;
   typename K::globals g{};
   const long d = p.head_dim;  // D, or less with ragged_head_dim
-  g.k = {ptr(p.k), {p.num_blocks, p.hkv, p.block_size, d}, {p.k_strides[0], p.k_strides[2], p.k_strides[1], 1}};
-  g.v = {ptr(p.v), {p.num_blocks, p.hkv, p.block_size, d}, {p.v_strides[0], p.v_strides[2], p.v_strides[1], 1}};
+  g.k = {cache(p.k), {p.num_blocks, p.hkv, p.block_size, d}, {p.k_strides[0], p.k_strides[2], p.k_strides[1], 1}};
+  g.v = {cache(p.v), {p.num_blocks, p.hkv, p.block_size, d}, {p.v_strides[0], p.v_strides[2], p.v_strides[1], 1}};
   g.q = ptr(p.q);
   for (int i = 0; i < 3; i++) g.q_strides[i] = p.q_strides[i];
   g.cache_seqlens = p.cache_seqlens;
@@ -57,6 +58,7 @@ void launch(const tk::attn_decode_problem& p, cudaStream_t stream) {
   g.hq = p.hq;
   g.sinks = p.sinks;
   g.head_dim = p.head_dim;
+  g.descales = descales;
   constexpr int partial_cols = P.ragged_head_dim ? D : 0;  // the merge's partial rows: the tile's columns
   if (g.balanced) {
     if (!p.reuse_schedule) {
@@ -77,32 +79,42 @@ void launch(const tk::attn_decode_problem& p, cudaStream_t stream) {
 // The static schedule's kernel works out its ranges itself (self_schedule) unless the step has one already (an earlier
 // layer's) or there is nothing to schedule (direct, balanced).
 template <typename T, policy P>
-void run(const tk::attn_decode_problem& p, cudaStream_t stream) {
+void run(const tk::attn_decode_problem& p, const tk::attn_kv_descales& d, cudaStream_t stream) {
   const bool direct = !p.balanced && p.max_items <= p.num_ctas;
-  if (!p.balanced && !direct && !p.reuse_schedule) return launch<T, P, schedule_source::self>(p, stream);
-  launch<T, P, schedule_source::reads>(p, stream);
+  if (!p.balanced && !direct && !p.reuse_schedule) return launch<T, P, schedule_source::self>(p, d, stream);
+  launch<T, P, schedule_source::reads>(p, d, stream);
 }
 
-// The variants' flavour: plain, with_sinks or with_ragged_head_dim (each its own translation unit: decode*.cu).
-enum class flavour { plain, sinks, ragged_head_dim };
+// The variants' flavour: plain, with_sinks, with_ragged_head_dim, or one of those over fp8 caches (each its own
+// translation unit: decode*.cu).
+enum class flavour { plain, sinks, ragged_head_dim, fp8_kv, fp8_kv_sinks, fp8_kv_ragged_head_dim };
+
+template <flavour F>
+constexpr policy policy_of(variant v) {
+  constexpr bool fp8 = F == flavour::fp8_kv || F == flavour::fp8_kv_sinks || F == flavour::fp8_kv_ragged_head_dim;
+  policy p = v == variant::d64 ? d64 : v == variant::d128 ? d128 : v == variant::d128_kv64 ? d128_kv64 : d256;
+  if (fp8) p = v == variant::d64 ? d64_fp8 : v == variant::d128 ? d128_fp8 : v == variant::d128_kv64 ? d128_kv64_fp8
+                                                                                                     : d256_fp8;
+  if (F == flavour::sinks || F == flavour::fp8_kv_sinks) p = with_sinks(p);
+  if (F == flavour::ragged_head_dim || F == flavour::fp8_kv_ragged_head_dim) p = with_ragged_head_dim(p);
+  return p;
+}
 
 template <typename T, flavour F>
-void run_dtype(const tk::attn_decode_problem& p, cudaStream_t stream) {
-  constexpr auto pick = [](policy base) {
-    return F == flavour::sinks ? with_sinks(base) : F == flavour::ragged_head_dim ? with_ragged_head_dim(base) : base;
-  };
+void run_dtype(const tk::attn_decode_problem& p, const tk::attn_kv_descales& d, cudaStream_t stream) {
   switch (select_variant(p)) {
-    case variant::d64: return run<T, pick(d64)>(p, stream);
-    case variant::d128: return run<T, pick(d128)>(p, stream);
-    case variant::d128_kv64: return run<T, pick(d128_kv64)>(p, stream);
-    case variant::d256: return run<T, pick(d256)>(p, stream);
+    case variant::d64: return run<T, policy_of<F>(variant::d64)>(p, d, stream);
+    case variant::d128: return run<T, policy_of<F>(variant::d128)>(p, d, stream);
+    case variant::d128_kv64: return run<T, policy_of<F>(variant::d128_kv64)>(p, d, stream);
+    case variant::d256: return run<T, policy_of<F>(variant::d256)>(p, d, stream);
   }
 }
 
+// descales: the fp8 flavours' (the others read none).
 template <flavour F>
-void run_problem(const tk::attn_decode_problem& p, cudaStream_t stream) {
-  if (p.type == dtype::bf16) run_dtype<bf16, F>(p, stream);
-  else run_dtype<half, F>(p, stream);
+void run_problem(const tk::attn_decode_problem& p, cudaStream_t stream, const tk::attn_kv_descales& descales = {}) {
+  if (p.type == dtype::bf16) run_dtype<bf16, F>(p, descales, stream);
+  else run_dtype<half, F>(p, descales, stream);
 }
 }  // namespace
 }  // namespace tk::decode

@@ -13,6 +13,10 @@ struct policy {
   // The head dim is below the tile's: the caches' columns are run-time sizes (TMA zero-fills the tile's extra
   // columns), queries load and outputs store only the head dim's columns; partials keep the tile's.
   bool ragged_head_dim = false;
+  // The caches hold float8_e4m3fn: the ring holds their 1-byte tiles, which the consumer converts to fp16 buffers of
+  // its own before each product (dequant.cuh; the queries load as fp16 too), and the descales scale the scores and
+  // the output rows. A ring stage is free once converted (release lag 0).
+  bool fp8_kv = false;
 };
 constexpr policy with_sinks(policy p) {
   p.sinks = true;
@@ -20,6 +24,12 @@ constexpr policy with_sinks(policy p) {
 }
 constexpr policy with_ragged_head_dim(policy p) {
   p.ragged_head_dim = true;
+  return p;
+}
+// fp8 tiles are half the bytes: the ring takes `stages` of them in what the fp16 buffers leave of shared memory.
+constexpr policy with_fp8_kv(policy p, int stages) {
+  p.fp8_kv = true;
+  p.stages = stages;
   return p;
 }
 // The tile a head dim runs on: 64, 128 or 256 columns.
@@ -30,6 +40,11 @@ inline constexpr policy d128{.head_dim = 128, .kv_rows = 128, .stages = 3};
 // pieces stream faster, long ones slower (decode_plan.kv_tile picks: attn_decode_problem::kv_tile).
 inline constexpr policy d128_kv64{.head_dim = 128, .kv_rows = 64, .stages = 6};
 inline constexpr policy d256{.head_dim = 256, .kv_rows = 48, .stages = 3};
+// Over FP8 caches (decode_fp8.cu): the same tiles, more stages.
+inline constexpr policy d64_fp8 = with_fp8_kv(d64, 10);
+inline constexpr policy d128_fp8 = with_fp8_kv(d128, 4);
+inline constexpr policy d128_kv64_fp8 = with_fp8_kv(d128_kv64, 10);
+inline constexpr policy d256_fp8 = with_fp8_kv(d256, 5);
 
 // Where a CTA's range of the static schedule comes from. A kernel that can work it out carries the scheduling code,
 // whose presence alone slowed the other modes, so each mode has its own kernel.

@@ -24,6 +24,7 @@ namespace detail {
 template <typename T> constexpr CUtensorMapDataType tma_dtype() {
   if constexpr (std::is_same_v<T, bf16>) return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   else if constexpr (std::is_same_v<T, half>) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else if constexpr (std::is_same_v<T, fp8e4m3>) return CU_TENSOR_MAP_DATA_TYPE_UINT8;  // bytes: TMA only copies them
   else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
 }
 constexpr CUtensorMapSwizzle tma_swizzle(int bytes) {
@@ -83,7 +84,7 @@ template <typename Want, typename... Tiles> consteval int tile_index() {
 }
 }  // namespace detail
 
-template <element T, int B = RUNTIME, int D = RUNTIME, int R = RUNTIME, int C = RUNTIME, typename... Tiles>
+template <storage_element T, int B = RUNTIME, int D = RUNTIME, int R = RUNTIME, int C = RUNTIME, typename... Tiles>
 struct gl {
   using dtype = T;
   __host__ __device__ static constexpr int static_size(int i) { return i == 0 ? B : i == 1 ? D : i == 2 ? R : C; }

@@ -22,7 +22,7 @@ consteval int pick_swizzle_bytes() {
 
 // Non-owning view of a swizzled shared tile; ChunkRows is the row count of the storage it lives in
 // (a row-block of a taller tile keeps its parent's chunk stride).
-template <element T, int R, int C, int ChunkRows = R>
+template <storage_element T, int R, int C, int ChunkRows = R>
 struct st_ref {
   using ref_t = st_ref;
   static_assert(swizzlable_row<T, C>,
@@ -62,7 +62,7 @@ struct st_ref {
 };
 
 // Owning shared tile; place it in dynamic shared memory (1024-byte aligned for 128B swizzle atoms).
-template <element T, int R, int C>
+template <storage_element T, int R, int C>
 struct alignas(1024) st {
   static_assert(swizzlable_row<T, C>,
                 "shared tile rows must span 32, 64 or a multiple of 128 bytes (the TMA/wgmma swizzle widths)");
