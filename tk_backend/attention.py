@@ -4,6 +4,15 @@ PagedDecode: planned once a step, run per layer).
 bf16/fp16 q/k/v, float32 softmax, output in q's dtype, lse in float32 (natural log, -inf for a row that
 sees no key). Causal masks and windows are aligned bottom-right, as in flash-attn >= 2.1.
 
+FP8 KV caches (vLLM's --kv-cache-dtype fp8 / fp8_e4m3): paged caches of dtype float8_e4m3fn (or uint8 holding its
+bytes) that store x / scale, with flash-attn's k_descale / v_descale: float32 [batch, kv_heads] (a per-tensor scale
+expanded, any strides) or None for 1. Attention reads k * k_descale[b, h] and v * v_descale[b, h]. q stays bf16 /
+fp16 and is never quantized here: q_descale, accepted for flash-attn's signature, multiplies q as flash-attn
+defines it (q * q_descale[b, h]), so a caller whose 16-bit q is already the query passes None (or ones); FA3
+quantizes q itself, vLLM's TK backend does not. Decode dequantizes each K/V tile on chip; prefill (and decode's
+prefill-kernel fallback) first dequantizes the batch's pages into a 16-bit scratch cache of batch x
+ceil(max_seqlen_k / block_size) pages. float8_e5m2 caches are refused, as FA3 refuses them.
+
 Everything here is graph-capturable: validation reads only shapes, dtypes and strides; sequence lengths stay
 on the device (max_seqlen_* are host ints supplied by the caller, as in flash-attn). Whether block-table
 entries lie in [0, num_blocks) cannot be checked without a host sync, so it is the kernel's input contract;
@@ -28,14 +37,18 @@ HEAD_DIMS = tuple(range(8, 257, 8))
 TILE_HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 MAX_DECODE_Q_LEN = 16
+# The dtypes of FP8 caches: float8_e4m3fn, or uint8 holding its bytes (vLLM allocates its caches as either).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+_DESCALES = "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None"
 
 _VARLEN_ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, "
     "Tensor? block_table, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
     "int window_left, int window_right, float softcap, Tensor? sinks"
 )
-lib.define(f"attn_varlen({_VARLEN_ARGS}) -> (Tensor out, Tensor lse)")
-lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse) -> ()")
+# q_descale / k_descale / v_descale: the module docstring's FP8 caches (paged k / v only).
+lib.define(f"attn_varlen({_VARLEN_ARGS}, {_DESCALES}) -> (Tensor out, Tensor lse)")
+lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse, {_DESCALES}) -> ()")
 # Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
 # and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (each
 # CTA of the split kernel works out and writes its own range, or in balanced mode a schedule kernel runs first;
@@ -48,7 +61,7 @@ lib.define(
     "int chunk_tokens, int item_overhead, int coarsen_levels, bool balanced, int kv_tile, bool reuse_schedule, "
     "float softmax_scale, "
     "bool causal, int window_left, int window_right, float softcap, Tensor? sinks, Tensor(e!) out, "
-    "Tensor(f!) lse) -> ()"
+    f"Tensor(f!) lse, {_DESCALES}) -> ()"
 )
 
 
@@ -121,11 +134,31 @@ def _head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} head dim must equal q's ({d}), got {t.shape[-1]}")
 
 
+def is_fp8_cache(t: torch.Tensor) -> bool:
+    """Whether a cache holds float8_e4m3fn values (as that dtype or as uint8 bytes)."""
+    return t.dtype in FP8_CACHE_DTYPES
+
+
+def _cache_tensor(t: object, name: str, layout: str) -> torch.Tensor:
+    """A cache: bf16 / fp16, or (FP8 caches) float8_e4m3fn or uint8; float8_e5m2 gets its reason."""
+    if isinstance(t, torch.Tensor) and t.dtype == torch.float8_e5m2:
+        raise TypeError(f"{name} is float8_e5m2: e5m2 KV caches are not supported (FA3 refuses them too); use "
+                        "float8_e4m3fn")
+    t = _checks.tensor(t, name, dtypes=_checks.HALF_TYPES + FP8_CACHE_DTYPES)
+    _rank(t, name, layout)
+    return _checks.tensor(t, name)  # device
+
+
 def _kv_like_q(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_name: str, v_name: str) -> None:
+    """k and v: q's dtype and device, or both of one FP8 cache dtype on q's device at a head dim of whole 16-byte
+    units (TMA copies their rows)."""
+    fp8 = is_fp8_cache(k)
     for t, name in ((k, k_name), (v, v_name)):
-        _checks.same_dtype(t, q, name, "q")
+        _checks.same_dtype(t, k if fp8 else q, name, k_name if fp8 else "q")
         _checks.same_device(t, q, name, "q")
     _head_dims(q, k, v)
+    if fp8 and q.shape[-1] % 16:
+        raise ValueError(f"fp8 caches need a head dim that is a multiple of 16, got {q.shape[-1]}")
     _checks.shape(v, v_name, tuple(k.shape))
     hq, hkv = q.shape[-2], k.shape[-2]
     if hkv < 1 or hq % hkv:
@@ -184,6 +217,23 @@ def _out(out: object, q: torch.Tensor, expected: tuple[int, ...]) -> torch.Tenso
     return out
 
 
+def validate_descales(
+    q_descale: object, k_descale: object, v_descale: object, k: torch.Tensor, batch: int, ref: torch.Tensor,
+    k_name: str = "k",
+) -> None:
+    """flash-attn's descales: each None or float32 [batch, kv_heads] on ref's device (any strides: a per-tensor
+    scale expanded), and only with an FP8 cache k (16-bit caches hold the values themselves)."""
+    given = [(t, name) for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))
+             if t is not None]
+    if given and not is_fp8_cache(k):
+        raise ValueError(f"q_descale / k_descale / v_descale apply to fp8 caches only, got {k_name} of dtype "
+                         f"{_dtype_name(k.dtype)}")
+    for t, name in given:
+        t = _checks.tensor(t, name, dtypes=(torch.float32,))
+        _checks.same_device(t, ref, name, "q")
+        _checks.shape(t, name, (batch, k.shape[-2]))
+
+
 def validate_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
     """Attention sinks: None, or float32 [q_heads] on q's device (one logit per query head, as vLLM's and FA3's
     s_aux), at head dims 64, 128 and 256."""
@@ -225,15 +275,18 @@ def _block_table_check_wanted(block_table: torch.Tensor) -> bool:
 
 def validate_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
-    block_table, seqused_k, out,
+    block_table, seqused_k, out, q_descale=None, k_descale=None, v_descale=None,
 ) -> tuple[float, tuple[int, int], float]:
     """Check every argument of flash_attn_varlen_func; returns (softmax_scale, window, softcap) resolved."""
     q = _half_tensor(q, "q", "[total_q, heads, head_dim]")
     paged = block_table is not None
     kv_layout = "[num_blocks, block_size, kv_heads, head_dim]" if paged else "[total_k, kv_heads, head_dim]"
-    k = _half_tensor(k, "k", kv_layout)
-    v = _half_tensor(v, "v", kv_layout)
+    k = _cache_tensor(k, "k", kv_layout)
+    v = _cache_tensor(v, "v", kv_layout)
     _kv_like_q(q, k, v, "k", "v")
+    if is_fp8_cache(k) and not paged:
+        raise ValueError("fp8 k / v need a paged cache (block_table): the dense varlen path takes 16-bit k / v "
+                         "(vLLM reads its fp8 caches paged)")
 
     cu_seqlens_q = _checks.tensor(cu_seqlens_q, "cu_seqlens_q", dtypes=(torch.int32,))
     _rank(cu_seqlens_q, "cu_seqlens_q", "[batch + 1]")
@@ -262,6 +315,7 @@ def validate_varlen(
                              f"({block_table.shape[1]} blocks x {block_size} = {capacity} keys)")
     if out is not None:
         _out(out, q, (q.shape[0], q.shape[1], v.shape[-1]))
+    validate_descales(q_descale, k_descale, v_descale, k, batch, q)
     _bool(causal, "causal")
     return _scale(softmax_scale, q.shape[-1]), _window(window_size), _softcap(softcap)
 
@@ -300,12 +354,13 @@ def _decode_block_table(block_table: object, batch: int, ref: torch.Tensor, ref_
 
 def validate_decode(
     q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, num_splits, out,
+    q_descale=None, k_descale=None, v_descale=None,
 ) -> tuple[float, tuple[int, int], float]:
     """Check every argument of flash_attn_with_kvcache; returns (softmax_scale, window, softcap) resolved."""
     q = _half_tensor(q, "q", "[batch, q_len, heads, head_dim]")
     layout = "[num_blocks, block_size, kv_heads, head_dim]"
-    k_cache = _half_tensor(k_cache, "k_cache", layout)
-    v_cache = _half_tensor(v_cache, "v_cache", layout)
+    k_cache = _cache_tensor(k_cache, "k_cache", layout)
+    v_cache = _cache_tensor(v_cache, "v_cache", layout)
     _kv_like_q(q, k_cache, v_cache, "k_cache", "v_cache")
     batch, q_len = q.shape[0], q.shape[1]
     if batch < 1:
@@ -318,13 +373,14 @@ def validate_decode(
     _int(num_splits, "num_splits", 0)
     if out is not None:
         _out(out, q, tuple(q.shape))
+    validate_descales(q_descale, k_descale, v_descale, k_cache, batch, q, "k_cache")
     _bool(causal, "causal")
     return _scale(softmax_scale, q.shape[-1]), _window(window_size), _softcap(softcap)
 
 
 def validate_decode_plan(
     cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal, window_size,
-    num_splits,
+    num_splits, kv_cache_dtype=None,
 ) -> tuple[int, int]:
     """Check every argument of PagedDecode.plan; returns the window resolved."""
     seqlens = _checks.tensor(cache_seqlens, "cache_seqlens", dtypes=(torch.int32,))
@@ -342,6 +398,13 @@ def validate_decode_plan(
     if _int(page_size, "page_size", 1) not in BLOCK_SIZES:
         raise ValueError(f"page_size must be 16, 32, 64, 128 or 256, got {page_size}")
     _int(num_splits, "num_splits", 0)
+    cache_dtypes = _checks.HALF_TYPES + FP8_CACHE_DTYPES
+    if kv_cache_dtype == torch.float8_e5m2:
+        raise ValueError("kv_cache_dtype float8_e5m2: e5m2 KV caches are not supported (FA3 refuses them too); use "
+                         "float8_e4m3fn")
+    if kv_cache_dtype is not None and kv_cache_dtype not in cache_dtypes:
+        raise ValueError(f"kv_cache_dtype must be None or one of {', '.join(map(_dtype_name, cache_dtypes))}, got "
+                         f"{kv_cache_dtype!r}")
     _bool(causal, "causal")
     return _window(window_size)
 
@@ -355,8 +418,9 @@ def _addressable_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-            scale, causal, window, softcap, out, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on validated inputs."""
+            scale, causal, window, softcap, out, sinks=None, descales=(None, None, None)
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on validated inputs; descales: (q_descale, k_descale, v_descale) of an FP8 cache."""
     q = _addressable_copy(q)
     if block_table is None:
         k, v = _addressable_copy(k), _addressable_copy(v)
@@ -366,9 +430,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seq
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
             scale, causal, window[0], window[1], softcap, sinks)
     if out is None:
-        return torch.ops.tk.attn_varlen(*args)
+        return torch.ops.tk.attn_varlen(*args, *descales)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    torch.ops.tk.attn_varlen_out(*args, out, lse)
+    torch.ops.tk.attn_varlen_out(*args, out, lse, *descales)
     return out, lse
 
 
@@ -389,6 +453,9 @@ def flash_attn_varlen_func(
     out: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention over packed variable-length sequences: q [total_q, Hq, D] -> out [total_q, Hq, D].
 
@@ -398,16 +465,19 @@ def flash_attn_varlen_func(
     with seqused_k, as vLLM calls it). max_seqlen_q/k must bound the true lengths (they size the grid).
     sinks [Hq] float32 (attention sinks, vLLM's / FA3's s_aux): a logit per query head that joins every row's
     softmax denominator and attends to nothing; the lse then includes it. Head dims: multiples of 8 up to 256.
+    Paged k / v may be FP8 caches (float8_e4m3fn or uint8, head dims multiples of 16) with q_descale / k_descale /
+    v_descale float32 [batch, Hkv] or None (the module docstring's FP8 caches): the pages the batch reads are
+    dequantized into a 16-bit scratch cache of batch x ceil(max_seqlen_k / block_size) pages first.
     Returns out, or (out, lse [Hq, total_q] float32) with return_softmax_lse.
     """
     scale, window, softcap = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-        softcap, block_table, seqused_k, out,
+        softcap, block_table, seqused_k, out, q_descale, k_descale, v_descale,
     )
     sinks = validate_sinks(sinks, q)
     require_kernels(q)
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                       scale, causal, window, softcap, out, sinks)
+                       scale, causal, window, softcap, out, sinks, (q_descale, k_descale, v_descale))
     return (out, lse) if return_softmax_lse else out
 
 
@@ -518,8 +588,9 @@ class PagedDecode:
         for q, k_cache, v_cache, out in layers:
             decode.run(q, k_cache, v_cache, out)
 
-    plan() is host work only (no sync): from the shapes it picks the split-KV plan (decode_plan.make_plan: the KV
-    chunk and the most splits a sequence can have, for the block table's width), whether it runs in balanced mode,
+    plan() is host work only (no sync): from the shapes (and the caches' dtype: an FP8 cache's tokens cost half the
+    bytes) it picks the split-KV plan (decode_plan.make_plan: the KV chunk and the most splits a sequence can have,
+    for the block table's width), whether it runs in balanced mode,
     the kernel's K/V tile, and the workspace it runs on (from a DecodeWorkspacePool); a group of q_len x
     (q heads per kv head) > 64 rows runs on the paged prefill kernel instead. The lengths stay on the device.
 
@@ -560,21 +631,22 @@ class PagedDecode:
         window_size: tuple[int, int] = (-1, -1),
         num_splits: int = 0,
         split_plan: decode_plan.DecodePlan | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> "PagedDecode":
         """Plan the step of cache_seqlens [batch] (int32, on the device) over block_table [batch, max_blocks]
         (its width bounds every context); num_splits > 0 forces the split count, as in flash-attn. split_plan runs a
         DecodePlan of these shapes as given, in the static schedule (scripts/tune.py times chunks with it).
-        Returns self."""
+        kv_cache_dtype: the caches' dtype (None: 16-bit; an FP8 one plans for 1-byte tokens). Returns self."""
         window = validate_decode_plan(cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size,
-                                      q_len, causal, window_size, num_splits)
+                                      q_len, causal, window_size, num_splits, kv_cache_dtype)
         if split_plan is not None:
             _check_split_plan(split_plan, block_table.shape[0], block_table.shape[1] * page_size, q_len, num_q_heads,
                               num_kv_heads, head_dim, page_size, window[0])
         return self._plan(cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal,
-                          window, num_splits, split_plan)
+                          window, num_splits, split_plan, kv_cache_dtype)
 
     def _plan(self, cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal,
-              window, num_splits, split_plan=None) -> "PagedDecode":
+              window, num_splits, split_plan=None, kv_cache_dtype=None) -> "PagedDecode":
         """plan() on validated arguments."""
         batch, width = block_table.shape
         # More rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill, a debugging
@@ -583,8 +655,9 @@ class PagedDecode:
         plan = split_plan
         if plan is None and split_kernel:
             num_sms, device_name = _device_info(cache_seqlens.device)
+            kv_dtype = decode_plan.kv_dtype_of(kv_cache_dtype)
             plan = decode_plan.make_plan(batch, width * page_size, q_len, num_q_heads, num_kv_heads, head_dim,
-                                         page_size, num_sms, window[0], num_splits, device_name)
+                                         page_size, num_sms, window[0], num_splits, device_name, kv_dtype)
         self.cache_seqlens, self.block_table = cache_seqlens, block_table
         self.q_shape = (batch, q_len, num_q_heads, head_dim)
         self.num_kv_heads, self.page_size = num_kv_heads, page_size
@@ -613,19 +686,24 @@ class PagedDecode:
         block_table: torch.Tensor | None = None,
         return_softmax_lse: bool = False,
         sinks: torch.Tensor | None = None,
+        q_descale: torch.Tensor | None = None,
+        k_descale: torch.Tensor | None = None,
+        v_descale: torch.Tensor | None = None,
     ):
         """One layer: q [batch, q_len, Hq, D] against caches [num_blocks, page_size, Hkv, D] (the new tokens already
         written), over the planned lengths and block table. block_table replaces the planned one by another of its
         shape (another KV-cache group's pages of the same requests: the schedule depends on the table's width, not
-        its pages). sinks: the layer's attention sinks (flash_attn_varlen_func). Returns out [batch, q_len, Hq, D],
-        or (out, lse [batch, Hq, q_len] float32)."""
+        its pages). sinks: the layer's attention sinks (flash_attn_varlen_func). FP8 caches take q_descale /
+        k_descale / v_descale (flash_attn_with_kvcache). Returns out [batch, q_len, Hq, D], or (out, lse [batch, Hq,
+        q_len] float32)."""
         if self.cache_seqlens is None:
             raise RuntimeError("PagedDecode.run() needs a plan(): call plan() first")
         if isinstance(q, torch.Tensor) and tuple(q.shape) != self.q_shape:
             raise ValueError(f"q must have the planned shape {self.q_shape}, got {tuple(q.shape)}")
         table = self.block_table if block_table is None else block_table
         scale, _, softcap = validate_decode(q, k_cache, v_cache, self.cache_seqlens, table, softmax_scale,
-                                            self.causal, self.window, softcap, self.num_splits, out)
+                                            self.causal, self.window, softcap, self.num_splits, out, q_descale,
+                                            k_descale, v_descale)
         sinks = validate_sinks(sinks, q)
         planned = (self.page_size, self.num_kv_heads)
         if tuple(k_cache.shape[1:3]) != planned:
@@ -635,20 +713,22 @@ class PagedDecode:
             raise ValueError(f"block_table must have the planned shape {tuple(self.block_table.shape)}, got "
                              f"{tuple(table.shape)}")
         require_kernels(q)
-        return self._run(q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse, sinks)
+        return self._run(q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse, sinks,
+                         (q_descale, k_descale, v_descale))
 
-    def _run(self, q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse, sinks=None):
-        """run() on validated arguments."""
+    def _run(self, q, k_cache, v_cache, table, scale, softcap, out, return_softmax_lse, sinks=None,
+             descales=(None, None, None)):
+        """run() on validated arguments; descales: (q_descale, k_descale, v_descale) of FP8 caches."""
         if _block_table_check_wanted(table):
             check_block_table(table, self.cache_seqlens, k_cache.shape[0], self.page_size)
         if self.split_plan is None:
             out, lse = _decode_on_prefill_kernel(q, k_cache, v_cache, self.cache_seqlens, table, scale, self.causal,
-                                                 self.window, softcap, out, sinks)
+                                                 self.window, softcap, out, sinks, descales)
         else:
-            out, lse = self._run_split(q, k_cache, v_cache, table, scale, softcap, out, sinks)
+            out, lse = self._run_split(q, k_cache, v_cache, table, scale, softcap, out, sinks, descales)
         return (out, lse) if return_softmax_lse else out
 
-    def _run_split(self, q, k_cache, v_cache, table, scale, softcap, out, sinks):
+    def _run_split(self, q, k_cache, v_cache, table, scale, softcap, out, sinks, descales):
         plan, ws = self.split_plan, self.workspace
         q = _addressable_copy(q)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -657,7 +737,7 @@ class PagedDecode:
             q, k_cache, v_cache, self.cache_seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,
             ws.partial_lse, plan.chunk_tokens, plan.item_overhead_tokens, plan.coarsen_levels, self.balanced,
             self.kv_tile, self._claim_schedule(), scale, self.causal, self.window[0], self.window[1], softcap, sinks,
-            out, lse,
+            out, lse, *descales,
         )
         return out, lse
 
@@ -683,7 +763,7 @@ def _check_split_plan(plan, batch, max_context, q_len, num_q_heads, num_kv_heads
 
 
 def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, out,
-                              sinks=None):
+                              sinks=None, descales=(None, None, None)):
     """Decode on the paged prefill kernel, where each sequence's q_len queries are the last q_len positions of its
     keys: for more rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill)."""
     bsz, q_len, hq, d = q.shape
@@ -691,7 +771,7 @@ def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, s
     cu_q = torch.arange(0, (bsz + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
     flat_out = out.view(bsz * q_len, hq, d) if out is not None and out.is_contiguous() else None
     o, lse = _varlen(q.reshape(bsz * q_len, hq, d), k_cache, v_cache, cu_q, None, cache_seqlens, block_table,
-                     q_len, max_context, scale, causal, window, softcap, flat_out, sinks)
+                     q_len, max_context, scale, causal, window, softcap, flat_out, sinks, descales)
     if out is not None and flat_out is None:
         out.copy_(o.view(bsz, q_len, hq, d))
     out = out if out is not None else o.view(bsz, q_len, hq, d)
@@ -712,6 +792,9 @@ def flash_attn_with_kvcache(
     out: torch.Tensor | None = None,
     return_softmax_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Paged decode: q [B, q_len, Hq, D] (q_len 1..16) against caches [num_blocks, block_size, Hkv, D].
 
@@ -720,16 +803,20 @@ def flash_attn_with_kvcache(
     tile, this runs the split-KV decode kernel on decode_plan's per-shape plan (num_splits > 0 forces the
     split count); larger groups run on the paged prefill kernel. Returns out [B, q_len, Hq, D], or
     (out, lse [B, Hq, q_len] float32) with return_softmax_lse. sinks as in flash_attn_varlen_func.
+    FP8 caches (float8_e4m3fn or uint8, head dims multiples of 16) take q_descale / k_descale / v_descale float32
+    [B, Hkv] or None (the module docstring's FP8 caches); the split kernel dequantizes their tiles on chip.
 
     One call plans and runs; the layers of a step share one plan through PagedDecode (its schedule is worked out
     once a step, not once a layer).
     """
     scale, window, softcap = validate_decode(
         q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap, num_splits, out,
+        q_descale, k_descale, v_descale,
     )
     sinks = validate_sinks(sinks, q)
     require_kernels(q)
     _, q_len, hq, d = q.shape
     decode = PagedDecode()._plan(cache_seqlens, block_table, hq, k_cache.shape[2], d, k_cache.shape[1], q_len,
-                                 causal, window, num_splits)
-    return decode._run(q, k_cache, v_cache, block_table, scale, softcap, out, return_softmax_lse, sinks)
+                                 causal, window, num_splits, kv_cache_dtype=k_cache.dtype)
+    return decode._run(q, k_cache, v_cache, block_table, scale, softcap, out, return_softmax_lse, sinks,
+                       (q_descale, k_descale, v_descale))

@@ -83,6 +83,15 @@ SM_BYTES_PER_US = 30_000
 ITEM_LATENCY_US = 1.0
 MERGE_LATENCY_US = 3.0
 
+# The caches' element kinds a plan (and a config bucket) is for, and the bytes an element takes: bf16 / fp16, or
+# float8_e4m3fn (FP8 KV caches: a token streams half the bytes).
+KV_DTYPE_BYTES = {"16bit": 2, "fp8_e4m3": 1}
+
+
+def kv_dtype_of(dtype: torch.dtype | None) -> str:
+    """The element kind of caches of `dtype` (None: 16-bit); uint8 caches hold float8_e4m3fn bytes (vLLM's)."""
+    return "fp8_e4m3" if dtype in (torch.float8_e4m3fn, torch.uint8) else "16bit"
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
@@ -99,6 +108,7 @@ class DecodePlan:
     max_splits: int  # chunks one segment can have
     source: str  # "table", "analytic" or "num_splits"
     coarsen_levels: int = 0  # how many times a step may double chunk_tokens (module docstring: Coarsening)
+    kv_dtype: str = "16bit"  # the caches' element kind (KV_DTYPE_BYTES)
 
     @property
     def group(self) -> int:
@@ -110,7 +120,7 @@ class DecodePlan:
 
     @property
     def item_overhead_tokens(self) -> int:
-        return item_overhead_tokens(self.q_len * self.group, self.head_dim)
+        return item_overhead_tokens(self.q_len * self.group, self.head_dim, self.kv_dtype)
 
 
 def tile_head_dim(head_dim: int) -> int:
@@ -163,11 +173,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def item_overhead_tokens(rows: int, head_dim: int) -> int:
+def _token_bytes(head_dim: int, kv_dtype: str) -> int:
+    return 2 * head_dim * KV_DTYPE_BYTES[kv_dtype]  # one key and one value
+
+
+def item_overhead_tokens(rows: int, head_dim: int, kv_dtype: str = "16bit") -> int:
     """An item's fixed cost in key-token equivalents: pipeline latency plus its Q load and partial store/reload."""
-    token_bytes = 4 * head_dim  # one key and one value, 16-bit
     row_bytes = rows * head_dim * (2 + 4 + 4)  # Q in, float32 partial out, read back by the merge
-    return _ceil_div(int(ITEM_LATENCY_US * SM_BYTES_PER_US) + row_bytes, token_bytes)
+    return _ceil_div(int(ITEM_LATENCY_US * SM_BYTES_PER_US) + row_bytes, _token_bytes(head_dim, kv_dtype))
 
 
 def _span_tokens(max_context: int, q_len: int, window_left: int) -> int:
@@ -195,10 +208,11 @@ def coarsen_levels(chunk: int, span: int) -> int:
 
 
 def _makespan_us(
-    segments: int, span: int, chunk: int, splits: int, overhead: int, num_ctas: int, head_dim: int
+    segments: int, span: int, chunk: int, splits: int, overhead: int, num_ctas: int, head_dim: int,
+    kv_dtype: str = "16bit",
 ) -> float:
     """Balanced-partition bound: average CTA load plus one item, plus the merge latency if anything is split."""
-    token_us = 4 * head_dim / SM_BYTES_PER_US
+    token_us = _token_bytes(head_dim, kv_dtype) / SM_BYTES_PER_US
     total = segments * (span + splits * overhead) * token_us
     biggest = (min(chunk, span) + overhead) * token_us
     return total / num_ctas + biggest + (MERGE_LATENCY_US if splits > 1 else 0.0)
@@ -206,7 +220,7 @@ def _makespan_us(
 
 def analytic_chunk_tokens(
     batch: int, max_context: int, q_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-    page_size: int, num_ctas: int, window_left: int = -1,
+    page_size: int, num_ctas: int, window_left: int = -1, kv_dtype: str = "16bit",
 ) -> int:
     """The chunk size minimising the modelled time of two extremes of a fixed-shape batch.
 
@@ -216,7 +230,7 @@ def analytic_chunk_tokens(
     """
     span = _span_tokens(max_context, q_len, window_left)
     rows = q_len * (num_q_heads // num_kv_heads)
-    overhead = item_overhead_tokens(rows, head_dim)
+    overhead = item_overhead_tokens(rows, head_dim, kv_dtype)
     chunk = _ceil_div(MIN_CHUNK_TOKENS, page_size) * page_size
     best: tuple[float, int] | None = None
     while True:
@@ -224,7 +238,7 @@ def analytic_chunk_tokens(
         workspace = batch * num_kv_heads * splits * rows * (head_dim + 1) * 4
         if workspace <= MAX_WORKSPACE_BYTES or splits == 1:
             cost = sum(
-                _makespan_us(seqs * num_kv_heads, span, chunk, splits, overhead, num_ctas, head_dim)
+                _makespan_us(seqs * num_kv_heads, span, chunk, splits, overhead, num_ctas, head_dim, kv_dtype)
                 for seqs in (batch, 1)
             )
             if best is None or cost <= best[0]:
@@ -238,25 +252,29 @@ def analytic_chunk_tokens(
 def make_plan(
     batch: int, max_context: int, q_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
     page_size: int, num_sms: int, window_left: int = -1, num_splits: int = 0, device_name: str | None = None,
+    kv_dtype: str = "16bit",
 ) -> DecodePlan:
-    """The plan for one batch shape. num_splits > 0 forces that many chunks per full-length sequence (like
-    flash-attn's num_splits); otherwise CONFIG_DIR's table for `device_name`, then the analytic model."""
+    """The plan for one batch shape over caches of element kind kv_dtype (KV_DTYPE_BYTES). num_splits > 0 forces
+    that many chunks per full-length sequence (like flash-attn's num_splits); otherwise CONFIG_DIR's table for
+    `device_name`, then the analytic model."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
     if num_splits > 0:
         chunk, source = _ceil_div(_ceil_div(max(max_context, 1), num_splits), page_size) * page_size, "num_splits"
     else:
         chunk = lookup_chunk_tokens(
-            device_config(device_name), batch, max_context, q_len, num_q_heads // num_kv_heads, head_dim
+            device_config(device_name), batch, max_context, q_len, num_q_heads // num_kv_heads, head_dim, kv_dtype
         )
         source = "table"
         if chunk is None:
             chunk = analytic_chunk_tokens(batch, max_context, q_len, num_q_heads, num_kv_heads, head_dim,
-                                          page_size, num_sms, window_left)
+                                          page_size, num_sms, window_left, kv_dtype)
             source = "analytic"
         chunk = _ceil_div(chunk, page_size) * page_size
     plan = DecodePlan(
         batch=batch, max_context=max_context, q_len=q_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, window_left=window_left, num_ctas=num_sms, chunk_tokens=chunk,
-        max_splits=_max_splits(chunk, max_context, q_len, window_left), source=source,
+        max_splits=_max_splits(chunk, max_context, q_len, window_left), source=source, kv_dtype=kv_dtype,
     )
     return plan if source == "num_splits" else coarsened(plan)  # num_splits means what it says
 
@@ -459,14 +477,18 @@ class DecodeBucket:
     group: tuple[int, int]  # Hq // Hkv
     head_dim: tuple[int, ...] | None  # None: any
     chunk_tokens: int
+    # The caches' element kinds it was tuned on: a bucket without the key, 16-bit caches (as the tables were tuned).
+    kv_dtype: tuple[str, ...] = ("16bit",)
 
-    def matches(self, batch: int, max_context: int, q_len: int, group: int, head_dim: int) -> bool:
+    def matches(self, batch: int, max_context: int, q_len: int, group: int, head_dim: int,
+                kv_dtype: str = "16bit") -> bool:
         return (
             self.batch[0] <= batch <= self.batch[1]
             and self.max_context[0] <= max_context <= self.max_context[1]
             and self.q_len[0] <= q_len <= self.q_len[1]
             and self.group[0] <= group <= self.group[1]
             and (self.head_dim is None or head_dim in self.head_dim)
+            and kv_dtype in self.kv_dtype
         )
 
 
@@ -491,6 +513,10 @@ def load_config(path: str | Path | Traversable) -> tuple[DecodeBucket, ...]:
         head_dim = entry.get("head_dim")
         if head_dim is not None and not (isinstance(head_dim, list) and all(isinstance(d, int) for d in head_dim)):
             raise ValueError(f"{where}: head_dim must be a list of integers, got {head_dim!r}")
+        kv_dtype = entry.get("kv_dtype", ["16bit"])
+        if not (isinstance(kv_dtype, list) and kv_dtype and all(k in KV_DTYPE_BYTES for k in kv_dtype)):
+            raise ValueError(f"{where}: kv_dtype must be a non-empty list of {', '.join(map(repr, KV_DTYPE_BYTES))}, "
+                             f"got {kv_dtype!r}")
         buckets.append(DecodeBucket(
             batch=_int_range(entry, "batch", where),
             max_context=_int_range(entry, "max_context", where),
@@ -498,6 +524,7 @@ def load_config(path: str | Path | Traversable) -> tuple[DecodeBucket, ...]:
             group=_int_range(entry, "group", where),
             head_dim=tuple(head_dim) if head_dim is not None else None,
             chunk_tokens=chunk,
+            kv_dtype=tuple(kv_dtype),
         ))
     return tuple(buckets)
 
@@ -514,9 +541,10 @@ def device_config(device_name: str | None) -> tuple[DecodeBucket, ...]:
 
 
 def lookup_chunk_tokens(
-    buckets: tuple[DecodeBucket, ...], batch: int, max_context: int, q_len: int, group: int, head_dim: int
+    buckets: tuple[DecodeBucket, ...], batch: int, max_context: int, q_len: int, group: int, head_dim: int,
+    kv_dtype: str = "16bit",
 ) -> int | None:
     for bucket in buckets:
-        if bucket.matches(batch, max_context, q_len, group, head_dim):
+        if bucket.matches(batch, max_context, q_len, group, head_dim, kv_dtype):
             return bucket.chunk_tokens
     return None

@@ -41,6 +41,25 @@ def visible_keys(
     return ok
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # uint8: float8_e4m3fn bytes (vLLM's caches)
+
+
+def dequantize_cache(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows [..., Hkv, D] in float32: FP8 ones (float8_e4m3fn, or uint8 holding its bytes) times their heads'
+    descale [Hkv] (None: 1); 16-bit ones as they are."""
+    if x.dtype == torch.uint8:
+        x = x.view(torch.float8_e4m3fn)
+    x = x.float()
+    return x if descale is None else x * descale.float()[:, None]
+
+
+def _gather(x: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x[index], through x's bytes for FP8 (indexing is not implemented for float8 on every device)."""
+    if x.dtype == torch.float8_e4m3fn:
+        return x.view(torch.uint8)[index].view(torch.float8_e4m3fn)
+    return x[index]
+
+
 def _sequence_keys(
     k: torch.Tensor, v: torch.Tensor, b: int, key_start: int, length: int, block_table: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +69,7 @@ def _sequence_keys(
     block_size = k.shape[1]
     t = torch.arange(length, device=k.device)
     pages = block_table[b].to(k.device).long()[t // block_size]
-    return k[pages, t % block_size], v[pages, t % block_size]
+    return _gather(k, (pages, t % block_size)), _gather(v, (pages, t % block_size))
 
 
 def attention(
@@ -66,6 +85,9 @@ def attention(
     block_table: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_varlen_func in float32: returns out [total_q, Hq, D] and lse [Hq, total_q] (natural log).
 
@@ -80,6 +102,10 @@ def attention(
 
     sinks [Hq] (attention sinks, gpt-oss): one logit per query head that joins every row's softmax denominator and
     attends to nothing; lse then includes it (a row that sees no key: out 0, lse = its sink).
+
+    FP8 caches (float8_e4m3fn or uint8 bytes of it) are dequantized first: sequence b reads k * k_descale[b, h] and
+    v * v_descale[b, h], and its queries of kv head h are q * q_descale[b, h] (each [batch, Hkv], None: 1). So the
+    attention runs on the dequantized cache exactly, in float32.
     """
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
@@ -93,9 +119,13 @@ def attention(
         key_start = cu_k[b] if cu_k is not None else 0
         lk = int(seqused_k[b]) if seqused_k is not None else cu_k[b + 1] - cu_k[b]
         kb, vb = _sequence_keys(k, v, b, key_start, lk, block_table)
-        kb = kb.float().repeat_interleave(hq // hkv, dim=1)
-        vb = vb.float().repeat_interleave(hq // hkv, dim=1)
-        s = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), kb) * scale
+        row = lambda t: None if t is None else t[b]  # noqa: E731
+        kb = dequantize_cache(kb, row(k_descale)).repeat_interleave(hq // hkv, dim=1)
+        vb = dequantize_cache(vb, row(v_descale)).repeat_interleave(hq // hkv, dim=1)
+        qb = q[q0:q1].float()
+        if q_descale is not None:
+            qb = qb * q_descale[b].float().repeat_interleave(hq // hkv)[:, None]
+        s = torch.einsum("qhd,khd->hqk", qb, kb) * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~visible_keys(q1 - q0, lk, causal, window_size, q.device), -math.inf)
@@ -144,16 +174,21 @@ def decode(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache on paged caches, in float32: out [B, q_len, Hq, D], lse [B, Hq, q_len].
 
     The q_len new tokens of sequence b are the last q_len of its cache_seqlens[b] cached tokens
     (bottom-right alignment), so with causal=True query t sees keys 0 .. cache_seqlens[b] - q_len + t.
+    FP8 caches and their descales as in `attention`.
     """
     bsz, q_len, hq, _ = q.shape
     out, lse = attention(
         q.reshape(bsz * q_len, hq, -1), k_cache, v_cache, _uniform_cu_seqlens(bsz, q_len, q.device), None,
         softmax_scale, causal, window_size, softcap, block_table=block_table, seqused_k=cache_seqlens, sinks=sinks,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )
     return out.view(bsz, q_len, hq, -1), lse.view(hq, bsz, q_len).transpose(0, 1)
 

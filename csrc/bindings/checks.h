@@ -5,6 +5,7 @@
 #include <array>
 #include <optional>
 #include <string>
+#include "../kernels/attention.h"
 
 namespace tk::checks {
 
@@ -57,6 +58,60 @@ inline const float* attention_sinks(const std::optional<at::Tensor>& sinks, cons
               "sinks must be a contiguous [q_heads] = [", hq, "] tensor, got shape ", sinks->sizes());
   TORCH_CHECK(attention_tile_dim(d) == d, "attention sinks need head dim 64, 128 or 256, got ", d);
   return sinks->data_ptr<float>();
+}
+
+// FP8 (e4m3) KV caches: float8_e4m3fn, or uint8 holding its bytes (vLLM allocates either). e5m2 is refused.
+inline bool fp8_cache(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() != at::kFloat8_e5m2, name,
+              " is float8_e5m2: e5m2 KV caches are not supported (FA3 refuses them too); use float8_e4m3fn");
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kByte;
+}
+// The caches k and v: q's dtype and device, or (returns true) both e4m3 of one dtype on q's device, at a head dim
+// whose rows TMA can copy (a multiple of 16 bytes).
+inline bool kv_caches(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, const char* k_name,
+                      const char* v_name) {
+  const bool fp8 = fp8_cache(k, k_name);
+  if (!fp8) {
+    like(k, q, k_name, "q");
+    like(v, q, v_name, "q");
+    return false;
+  }
+  fp8_cache(v, v_name);
+  like(v, k, v_name, k_name);
+  same_device(k, q, k_name, "q");
+  TORCH_CHECK(k.size(-1) % 16 == 0, "fp8 caches need a head dim that is a multiple of 16, got ", k.size(-1));
+  return true;
+}
+// A descale of an fp8 cache: null (1), or float32 [batch, kv_heads] on q's device at any strides (a per-tensor
+// scale expanded has strides 0); strides out in elements.
+inline const float* descale(const std::optional<at::Tensor>& t, const at::Tensor& q, int64_t batch, int64_t hkv,
+                            const char* name, long* strides) {
+  strides[0] = strides[1] = 0;
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat, name, " must be float32, got ", t->scalar_type());
+  same_device(*t, q, name, "q");
+  TORCH_CHECK(t->dim() == 2 && t->size(0) == batch && t->size(1) == hkv, name, " must be [batch, kv_heads] = [", batch,
+              ", ", hkv, "], got shape ", t->sizes());
+  strides[0] = t->stride(0), strides[1] = t->stride(1);
+  return t->data_ptr<float>();
+}
+// An fp8 cache's three descales (q's, k's and v's; descale's rules for each).
+inline tk::attn_kv_descales kv_descales(const std::optional<at::Tensor>& q_descale,
+                                        const std::optional<at::Tensor>& k_descale,
+                                        const std::optional<at::Tensor>& v_descale, const at::Tensor& q,
+                                        int64_t batch, int64_t hkv) {
+  tk::attn_kv_descales d{};
+  d.q = descale(q_descale, q, batch, hkv, "q_descale", d.q_strides);
+  d.k = descale(k_descale, q, batch, hkv, "k_descale", d.k_strides);
+  d.v = descale(v_descale, q, batch, hkv, "v_descale", d.v_strides);
+  return d;
+}
+// Descales are for fp8 caches only (16-bit caches hold the values themselves).
+inline void no_descales(const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+                        const std::optional<at::Tensor>& v, const at::Tensor& cache, const char* cache_name) {
+  TORCH_CHECK(!q.has_value() && !k.has_value() && !v.has_value(),
+              "q_descale / k_descale / v_descale apply to fp8 caches only, got ", cache_name, " of dtype ",
+              cache.scalar_type());
 }
 
 // Multiprocessors of `device`, read once per device (persistent grids size themselves from it).

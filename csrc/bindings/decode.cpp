@@ -1,4 +1,5 @@
-// torch.library CUDA implementation of tk::attn_decode (schema in tk_backend/attention.py).
+// torch.library CUDA implementation of tk::attn_decode (schema in tk_backend/attention.py): 16-bit caches, or e4m3
+// ones (tk::attn_decode_fp8) with their descales.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -25,14 +26,16 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  at::Tensor& cta_start, at::Tensor& partial_out, at::Tensor& partial_lse, int64_t chunk_tokens,
                  int64_t item_overhead, int64_t coarsen_levels, bool balanced, int64_t kv_tile, bool reuse_schedule,
                  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-                 const std::optional<at::Tensor>& sinks, at::Tensor& out, at::Tensor& lse) {
+                 const std::optional<at::Tensor>& sinks, at::Tensor& out, at::Tensor& lse,
+                 const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+                 const std::optional<at::Tensor>& v_descale) {
   chk::cuda(q, "q");
   chk::half_or_bf16(q, "q");
   chk::rank(q, 4, "q");
   chk::rank(k_cache, 4, "k_cache");
   chk::rank(v_cache, 4, "v_cache");
-  chk::like(k_cache, q, "k_cache", "q");
-  chk::like(v_cache, q, "v_cache", "q");
+  const bool fp8 = chk::kv_caches(k_cache, v_cache, q, "k_cache", "v_cache");
+  if (!fp8) chk::no_descales(q_descale, k_descale, v_descale, k_cache, "k_cache");
   chk::like(out, q, "out", "q");
   const int64_t batch = q.size(0), q_len = q.size(1), hq = q.size(2), d = q.size(3), hkv = k_cache.size(2);
   chk::attention_head_dim(d);
@@ -126,7 +129,9 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(softcap);
   p.sinks = chk::attention_sinks(sinks, q, hq, d);
-  tk::attn_decode(p, c10::cuda::getCurrentCUDAStream());
+  if (!fp8) return tk::attn_decode(p, c10::cuda::getCurrentCUDAStream());
+  const tk::attn_kv_descales descales = chk::kv_descales(q_descale, k_descale, v_descale, q, batch, hkv);
+  tk::attn_decode_fp8(p, descales, c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace

@@ -98,14 +98,14 @@ struct fp8_pages_problem {
   int head_dim, hkv, block_size, batch, max_pages;
   const void *k, *v;                // e4m3 pages [num_blocks, block_size, hkv, head_dim]
   long k_strides[3], v_strides[3];  // block, token-in-block, head (elements: bytes)
-  const int* block_table;           // [batch, bt_stride], at least max_pages columns used
+  const int* block_table;           // [batch, bt_stride], at least max_pages columns
   long bt_stride;
-  int bt_width;  // the table's columns: pages past them are not read
   const int* cu_seqlens_k;  // [batch + 1], or null (then seqused_k)
   const int* seqused_k;     // [batch] or null
   attn_kv_descales descales;
   void *k_out, *v_out;  // [batch * max_pages, block_size, hkv, head_dim] contiguous, q's dtype
   int* table_out;       // [batch, max_pages] contiguous
+  int* seqused_out;     // [batch]: keys_b, clamped to max_pages * block_size (what the prefill kernel reads)
 };
 void fp8_pages_dequantize(const fp8_pages_problem& p, cudaStream_t stream);
 

@@ -41,7 +41,8 @@ def _decode(**changes):
 VARLEN_ERRORS = [
     (_varlen(q=_t(10, 8, 128, dtype=torch.float32)), TypeError, "q must be bfloat16 or float16, got float32"),
     (_varlen(k=_t(12, 2, 128, dtype=torch.float16)), TypeError, "k must have q's dtype"),
-    (_varlen(v=_t(12, 2, 128, dtype=torch.float32)), TypeError, "v must be bfloat16 or float16, got float32"),
+    (_varlen(v=_t(12, 2, 128, dtype=torch.float32)), TypeError,
+     "v must be bfloat16, float16, float8_e4m3fn or uint8, got float32"),
     (_varlen(q=_t(10, 8, 128, device="cpu")), ValueError, "q must be a CUDA tensor, got device cpu"),
     (_varlen(k=_t(12, 2, 128, device="cpu")), ValueError, "k must be a CUDA tensor, got device cpu"),
     (_varlen(q=_t(10, 1024)), ValueError, r"q must be \[total_q, heads, head_dim\] \(3 dimensions\), got shape \(10, 1024\)"),
@@ -237,3 +238,116 @@ def test_public_functions_reach_the_ops_with_the_right_shapes(stubbed_kernels):
         **_decode(q=_t(3, 2, 8, 128), k_cache=kv[..., :128], v_cache=kv[..., 128:]), window_size=(64, -1),
         return_softmax_lse=True)
     assert out.shape == (3, 2, 8, 128) and lse.shape == (3, 8, 2)
+
+
+# ------------------------------------------------------------------------------------------ FP8 KV caches
+
+F8 = torch.float8_e4m3fn
+
+
+def _f8(*shape, dtype=F8, device="meta"):
+    return _t(*shape, dtype=dtype, device=device)
+
+
+def _fp8_decode(**changes):
+    kv = _f8(20, 16, 2, 256)  # vLLM's combined K|V cache
+    args = _decode(k_cache=kv[..., :128], v_cache=kv[..., 128:], k_descale=_t(3, 2, dtype=torch.float32),
+                   v_descale=_t(1, dtype=torch.float32).expand(3, 2))
+    args.update(changes)
+    return args
+
+
+def _fp8_paged(**changes):
+    kv = _f8(20, 16, 2, 256)
+    args = _paged(k=kv[..., :128], v=kv[..., 128:], k_descale=_t(2, 2, dtype=torch.float32))
+    args.update(changes)
+    return args
+
+
+FP8_ERRORS = [
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(k_cache=_f8(20, 16, 2, 128, dtype=torch.float8_e5m2)),
+     TypeError, r"k_cache is float8_e5m2: e5m2 KV caches are not supported \(FA3 refuses them too\); use "
+                "float8_e4m3fn"),
+    (tk_backend.flash_attn_varlen_func, _fp8_paged(v=_f8(20, 16, 2, 128, dtype=torch.float8_e5m2)), TypeError,
+     "v is float8_e5m2: e5m2 KV caches are not supported"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(v_cache=_t(20, 16, 2, 128)), TypeError,
+     "v_cache must have k_cache's dtype torch.float8_e4m3fn, got torch.bfloat16"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(v_cache=_f8(20, 16, 2, 128, dtype=torch.uint8)), TypeError,
+     "v_cache must have k_cache's dtype torch.float8_e4m3fn, got torch.uint8"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(k_cache=_f8(20, 16, 2, 128, device="cpu")), ValueError,
+     "k_cache must be a CUDA tensor, got device cpu"),
+    (tk_backend.flash_attn_with_kvcache,
+     _fp8_decode(q=_t(3, 1, 8, 72), k_cache=_f8(20, 16, 2, 72), v_cache=_f8(20, 16, 2, 72)), ValueError,
+     "fp8 caches need a head dim that is a multiple of 16, got 72"),
+    (tk_backend.flash_attn_varlen_func, _varlen(k=_f8(12, 2, 128), v=_f8(12, 2, 128)), ValueError,
+     r"fp8 k / v need a paged cache \(block_table\)"),
+    (tk_backend.flash_attn_with_kvcache, _decode(k_descale=_t(3, 2, dtype=torch.float32)), ValueError,
+     "q_descale / k_descale / v_descale apply to fp8 caches only, got k_cache of dtype bfloat16"),
+    (tk_backend.flash_attn_varlen_func, _paged(q_descale=_t(2, 2, dtype=torch.float32)), ValueError,
+     "q_descale / k_descale / v_descale apply to fp8 caches only, got k of dtype bfloat16"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(k_descale=_t(3, 2, dtype=torch.float16)), TypeError,
+     "k_descale must be float32, got float16"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(v_descale=_t(3, dtype=torch.float32)), ValueError,
+     r"v_descale must have shape \(3, 2\), got \(3,\)"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(q_descale=_t(3, 8, dtype=torch.float32)), ValueError,
+     r"q_descale must have shape \(3, 2\), got \(3, 8\)"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(k_descale=_t(3, 2, dtype=torch.float32, device="cpu")),
+     ValueError, "k_descale must be a CUDA tensor, got device cpu"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(k_descale=1.0), TypeError,
+     "k_descale must be a torch.Tensor, got float"),
+    (tk_backend.flash_attn_varlen_func, _fp8_paged(v_descale=_t(3, 2, dtype=torch.float32)), ValueError,
+     r"v_descale must have shape \(2, 2\), got \(3, 2\)"),
+]
+
+
+@pytest.mark.parametrize("fn,kwargs,exc,match", FP8_ERRORS)
+def test_fp8_caches_reject_bad_input(fn, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**kwargs)
+
+
+def test_fp8_caches_accept_good_input():
+    kv = _f8(20, 64, 2, 256, dtype=torch.uint8)  # vLLM's uint8 allocation of an fp8 cache
+    attention.validate_decode(
+        **_fp8_decode(q=_t(3, 16, 8, 128, dtype=torch.float16), k_cache=kv[..., :128], v_cache=kv[..., 128:],
+                      q_descale=_t(3, 2, dtype=torch.float32)),
+        softmax_scale=None, causal=True, window_size=(1024, -1), softcap=50.0, num_splits=0, out=None)
+    attention.validate_varlen(**{**_defaults(), **_fp8_paged(v_descale=_t(2, 2, dtype=torch.float32))})
+    assert attention.is_fp8_cache(kv) and not attention.is_fp8_cache(_t(2))
+
+
+def test_fp8_plan_rejects_e5m2():
+    seqlens, table = _i(3), _i(3, 4)
+    for dtype, match in [(torch.float8_e5m2, "e5m2 KV caches are not supported"),
+                         (torch.float32, "kv_cache_dtype must be None or one of bfloat16, float16, float8_e4m3fn")]:
+        with pytest.raises(ValueError, match=match):
+            attention.PagedDecode().plan(seqlens, table, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                                         kv_cache_dtype=dtype)
+
+
+def test_fp8_fake_shapes():
+    q, kv = _t(3, 1, 8, 128), _f8(20, 16, 2, 256)
+    scale = _t(3, 2, dtype=torch.float32)
+    torch.ops.tk.attn_decode(
+        q, kv[..., :128], kv[..., 128:], _i(3), _i(3, 4), _i(30, 4), _i(133), _t(30, 1, 4, 128, dtype=torch.float32),
+        _t(30, 1, 4, dtype=torch.float32), 256, 64, 0, False, 128, False, 0.1, True, -1, 0, 0.0, None,
+        _t(3, 1, 8, 128), _t(3, 8, 1, dtype=torch.float32), None, scale, scale)
+    out, lse = torch.ops.tk.attn_varlen(_t(10, 8, 128), kv[..., :128], kv[..., 128:], _i(3), None, _i(2), _i(2, 4), 6,
+                                        64, 0.1, True, -1, 0, 0.0, None, k_descale=scale[:2], v_descale=scale[:2])
+    assert out.shape == (10, 8, 128) and out.dtype == torch.bfloat16 and lse.shape == (8, 10)
+
+
+def test_fp8_public_functions_reach_the_ops(stubbed_kernels):
+    out = tk_backend.flash_attn_with_kvcache(**_fp8_decode(q=_t(3, 2, 8, 128)), window_size=(64, -1))
+    assert out.shape == (3, 2, 8, 128) and out.dtype == torch.bfloat16
+    out, lse = tk_backend.flash_attn_varlen_func(**_fp8_paged(), causal=True, return_softmax_lse=True)
+    assert out.shape == (10, 8, 128) and lse.shape == (8, 10)
+    # more rows than the split kernel's 64: decode on the paged prefill kernel, descales passed on
+    out = tk_backend.flash_attn_with_kvcache(**_fp8_decode(q=_t(3, 16, 8, 128)))
+    assert out.shape == (3, 16, 8, 128)
+    kv = _f8(20, 16, 2, 256)
+    decode = attention.PagedDecode(attention.DecodeWorkspacePool()).plan(
+        _i(3), _i(3, 5), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, kv_cache_dtype=kv.dtype)
+    assert decode.split_plan.kv_dtype == "fp8_e4m3"
+    out = decode.run(_t(3, 1, 8, 128), kv[..., :128], kv[..., 128:], q_descale=_t(3, 2, dtype=torch.float32))
+    assert out.shape == (3, 1, 8, 128)

@@ -252,11 +252,37 @@ def test_table_chunks_round_up_to_the_page(tmp_path, monkeypatch):
         decode_plan.make_plan.cache_clear()
 
 
+def test_fp8_caches_plan_for_one_byte_tokens(tmp_path, monkeypatch):
+    """An FP8 cache's token streams half the bytes: its item overhead is twice the tokens; the tuned tables' buckets
+    (no kv_dtype key: 16-bit caches) do not apply to it, a bucket with kv_dtype ["fp8_e4m3"] does."""
+    args = (32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200")
+    plain, fp8 = decode_plan.make_plan(*args), decode_plan.make_plan(*args, "fp8_e4m3")
+    assert plain.kv_dtype == "16bit" and plain.source == "table" and fp8.kv_dtype == "fp8_e4m3"
+    assert fp8.source == "analytic"
+    assert abs(fp8.item_overhead_tokens - 2 * plain.item_overhead_tokens) <= 1
+    assert decode_plan.kv_dtype_of(torch.uint8) == decode_plan.kv_dtype_of(torch.float8_e4m3fn) == "fp8_e4m3"
+    assert decode_plan.kv_dtype_of(None) == decode_plan.kv_dtype_of(torch.bfloat16) == "16bit"
+    with pytest.raises(ValueError, match="kv_dtype must be one of 16bit, fp8_e4m3, got 'fp8'"):
+        decode_plan.make_plan(*args, "fp8")
+    (tmp_path / "x.json").write_text(json.dumps({"device": "X", "decode": {"buckets": [
+        {"chunk_tokens": 512, "kv_dtype": ["fp8_e4m3"]}, {"chunk_tokens": 1024}]}}))
+    monkeypatch.setattr(decode_plan, "CONFIG_DIR", tmp_path)
+    decode_plan.device_config.cache_clear()
+    try:
+        assert decode_plan.make_plan(2, 8192, 1, 8, 8, 128, 16, 132, -1, 0, "X", "fp8_e4m3").chunk_tokens == 512
+        assert decode_plan.make_plan(2, 8192, 1, 8, 8, 128, 16, 132, -1, 0, "X").chunk_tokens == 1024
+    finally:
+        decode_plan.device_config.cache_clear()
+        decode_plan.make_plan.cache_clear()
+
+
 @pytest.mark.parametrize("entry,match", [
     ({"chunk_tokens": 0}, "chunk_tokens must be a positive integer, got 0"),
     ({"chunk_tokens": 64, "batch": [8, 1]}, r"batch must be \[low, high\] integers with low <= high, got \[8, 1\]"),
     ({"chunk_tokens": 64, "q_len": 3}, r"q_len must be \[low, high\]"),
     ({"chunk_tokens": 64, "head_dim": 128}, "head_dim must be a list of integers, got 128"),
+    ({"chunk_tokens": 64, "kv_dtype": "fp8_e4m3"}, "kv_dtype must be a non-empty list of '16bit', 'fp8_e4m3', got"),
+    ({"chunk_tokens": 64, "kv_dtype": ["fp8_e5m2"]}, r"kv_dtype must be a non-empty list of .*, got \['fp8_e5m2'\]"),
 ])
 def test_bad_config_entries_are_named(tmp_path, entry, match):
     path = tmp_path / "bad.json"

@@ -1,7 +1,8 @@
 // Decode's host side: a launch's globals from the problem, schedule (balanced mode) -> decode -> merge, each chained
 // to the one before, and the dispatch over the policy table. Included by decode.cu, decode_sinks.cu,
-// decode_ragged.cu and decode_fp8.cu, each instantiating its flavour of the variants. The kernels are each translation unit's own (an anonymous namespace:
-// internal linkage, so a `.entry`, not an exported one, as ptxas lays out their shared memory).
+// decode_ragged.cu and decode_fp8.cu, each instantiating its flavour of the variants. The kernels are each
+// translation unit's own (an anonymous namespace: internal linkage, so a `.entry`, not an exported one, as ptxas
+// lays out their shared memory).
 #pragma once
 #include "../../kittens/kittens.cuh"
 #include "../attention.h"

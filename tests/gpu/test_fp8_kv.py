@@ -1,0 +1,285 @@
+"""FP8 (e4m3) KV caches: decode (the split kernel's fp8 flavour, which dequantizes each K/V tile on chip) and prefill
+over a paged fp8 cache (dequantized into a 16-bit scratch cache first), against the float32 reference on the
+dequantized cache (tk_backend.reference: stored * descale exactly, so the only error is the kernel's).
+
+Every cache is vLLM's combined K|V layout unless a test says otherwise: [blocks, block_size, kv_heads, 2 * D] split
+into halves. Each sequence's last page holds e4m3 NaN bytes past its end, as a recycled page may; outputs are
+written into NaN-poisoned buffers, so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tk_backend
+from tk_backend import attention, reference
+from tests.accuracy import assert_close
+
+pytestmark = pytest.mark.gpu
+
+E4M3_NAN = 0x7F
+
+
+def _fp8_cache(rng, contexts, block_size, hkv, d, combined=True, storage=torch.float8_e4m3fn):
+    """K and V caches of float8_e4m3fn values (or their uint8 bytes), a shuffled block table with room to spare, and
+    NaN bytes in every row past a sequence's end (its last page's tail)."""
+    batch = len(contexts)
+    max_blocks = max(-(-c // block_size) for c in contexts) + 2
+    num_blocks = batch * max_blocks + 3
+    width = 2 * d if combined else d
+    kv = [(torch.randn(num_blocks, block_size, hkv, width, device="cuda") * 2).to(torch.float8_e4m3fn)
+          for _ in range(1 if combined else 2)]
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    table = perm[: batch * max_blocks].to(torch.int32).view(batch, max_blocks)
+    for b, length in enumerate(contexts):
+        if length % block_size:
+            for t in kv:
+                t.view(torch.uint8)[int(table[b, length // block_size]), length % block_size:] = E4M3_NAN
+    if storage == torch.uint8:
+        kv = [t.view(torch.uint8) for t in kv]
+    k, v = (kv[0][..., :d], kv[0][..., d:]) if combined else (kv[0], kv[1])
+    return k, v, table.cuda()
+
+
+def _descales(kind, batch, hkv, rng):
+    """None, a per-tensor scale expanded to [batch, kv_heads] (strides 0, as vLLM passes layer._k_scale), or one per
+    (sequence, kv head)."""
+    if kind == "none":
+        return None
+    if kind == "tensor":
+        return torch.tensor([rng.uniform(0.25, 2.0)], device="cuda").expand(batch, hkv)
+    return torch.rand(batch, hkv, device="cuda") * 1.75 + 0.25
+
+
+def _decode_case(rng, contexts, q_len, group, d, block_size, dtype=torch.bfloat16, hkv=2, descale="seq",
+                 combined=True, storage=torch.float8_e4m3fn):
+    k, v, table = _fp8_cache(rng, contexts, block_size, hkv, d, combined, storage)
+    q = torch.randn(len(contexts), q_len, hkv * group, d, device="cuda", dtype=dtype)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    scales = {name: _descales(descale, len(contexts), hkv, rng) for name in ("k_descale", "v_descale")}
+    return q, k, v, seqlens, table, scales
+
+
+def _check_decode(q, k, v, seqlens, table, scales, what, **kw):
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_with_kvcache(q, k, v, seqlens, table, out=out, return_softmax_lse=True, **scales,
+                                                **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.decode(q, k, v, seqlens, table, **scales, **{n: x for n, x in kw.items()
+                                                                              if n != "num_splits"})
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
+    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 96])
+@pytest.mark.parametrize("q_len,group", [(1, 1), (1, 8), (4, 4), (4, 16)])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_fp8_decode(d, q_len, group, block_size, num_splits, seed):
+    rng = random.Random(seed)
+    contexts = [rng.choice([q_len, rng.randint(q_len, 400), rng.randint(1000, 9000)]) for _ in range(5)]
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    case = _decode_case(rng, contexts, q_len, group, d, block_size, dtype)
+    _check_decode(*case, f"fp8 decode d={d} q_len={q_len} group={group} bs={block_size} splits={num_splits} "
+                         f"{dtype} ctx={contexts} seed={seed}", num_splits=num_splits)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window,softcap", [((128, 0), 0.0), ((-1, -1), 20.0), ((300, -1), 30.0)])
+def test_fp8_decode_window_softcap(d, window, softcap, seed):
+    rng = random.Random(seed)
+    contexts = [rng.randint(2, 4000) for _ in range(4)]
+    case = _decode_case(rng, contexts, 2, 8, d, 32, torch.float16)
+    _check_decode(*case, f"fp8 decode d={d} window={window} softcap={softcap} ctx={contexts} seed={seed}",
+                  window_size=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("descale", ["none", "tensor", "seq"])
+@pytest.mark.parametrize("storage", [torch.float8_e4m3fn, torch.uint8])
+@pytest.mark.parametrize("combined", [True, False])
+def test_fp8_decode_descales_and_layouts(descale, storage, combined, seed):
+    """Per-tensor (expanded, strides 0), per-(sequence, head) and no descales; uint8 caches (vLLM's allocation) and
+    separate K and V caches beside the combined layout; a q_descale that is not one (flash-attn's meaning: q * it)."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(1, 6000) for _ in range(6)]
+    q, k, v, seqlens, table, scales = _decode_case(rng, contexts, 1, 4, 128, 16, descale=descale, combined=combined,
+                                                   storage=storage)
+    if descale == "seq":
+        scales["q_descale"] = torch.rand(6, 2, device="cuda") + 0.5
+    _check_decode(q, k, v, seqlens, table, scales, f"fp8 decode descale={descale} {storage} combined={combined} "
+                  f"ctx={contexts} seed={seed}")
+
+
+def test_fp8_decode_sinks(seed):
+    rng = random.Random(seed)
+    contexts = [rng.randint(1, 3000) for _ in range(4)]
+    case = _decode_case(rng, contexts, 1, 8, 64, 16)
+    sinks = torch.randn(16, device="cuda") * 2
+    for window in [(-1, -1), (128, 0)]:
+        _check_decode(*case, f"fp8 decode sinks window={window} seed={seed}", sinks=sinks, window_size=window)
+
+
+_MANY = list(range(40, 64 * 97, 97))  # 64 sequences of 40 .. 6151 keys
+
+
+@pytest.mark.parametrize("contexts,width,num_splits,expect", [
+    ([5000, 3, 7000, 120], 8192, 8, ("direct", 64)),         # few items: a CTA each
+    (_MANY, 8192, 4, ("scheduled", 64)),                     # each CTA works out its range
+    (_MANY + _MANY[:16], 8192, 1, ("scheduled", 128)),       # one item a sequence, 128-key tiles
+    ([100_000, 17], 131072, 0, ("balanced", 64)),            # one long sequence in a wide table
+])
+def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
+    """Every schedule the split kernel runs (direct, self-scheduled, balanced) and both D=128 tiles, over fp8."""
+    rng = random.Random(seed)
+    block_size, hkv, group, d = 16, 2, 4, 128
+    k, v, table = _fp8_cache(rng, contexts, block_size, hkv, d)
+    table = torch.nn.functional.pad(table, (0, width // block_size - table.shape[1]))  # unused columns: page 0
+    q = torch.randn(len(contexts), 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    decode = attention.PagedDecode(attention.DecodeWorkspacePool()).plan(
+        seqlens, table, num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=d, page_size=block_size,
+        num_splits=num_splits, kv_cache_dtype=k.dtype)
+    plan = decode.split_plan
+    mode = "balanced" if decode.balanced else "direct" if plan.max_items <= plan.num_ctas else "scheduled"
+    assert (mode, decode.kv_tile) == expect, plan
+    scales = {name: _descales("seq", len(contexts), hkv, rng) for name in ("k_descale", "v_descale")}
+    out = torch.full_like(q, float("nan"))
+    for _ in range(2):  # the second run reuses the schedule
+        decode.run(q, k, v, out, **scales)
+    torch.cuda.synchronize()
+    ref = reference.decode(q, k, v, seqlens, table, **scales)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 decode {expect} seed={seed}")
+
+
+def test_fp8_decode_graph_replay(seed):
+    """Capture once; replay after the lengths, the block table and the descales change."""
+    rng = random.Random(seed)
+    batch, hkv, d = 8, 8, 128
+    k, v, table = _fp8_cache(rng, [4000] * batch, 16, hkv, d)
+    q = torch.randn(batch, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    k_scale, v_scale = torch.ones(1, device="cuda"), torch.ones(1, device="cuda")
+    scales = dict(k_descale=k_scale.expand(batch, hkv), v_descale=v_scale.expand(batch, hkv))
+    out = torch.empty_like(q)
+    tk_backend.flash_attn_with_kvcache(q, k, v, seqlens, table, out=out, **scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk_backend.flash_attn_with_kvcache(q, k, v, seqlens, table, out=out, **scales)
+    for _ in range(3):
+        seqlens.copy_(torch.tensor([rng.randint(1, 4000) for _ in range(batch)], dtype=torch.int32))
+        table.copy_(table[torch.randperm(batch, device="cuda")])
+        q.copy_(torch.randn_like(q))
+        k_scale.fill_(rng.uniform(0.25, 2)), v_scale.fill_(rng.uniform(0.25, 2))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.decode(q, k, v, seqlens, table, **scales)[0]
+        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 graph replay seed={seed}")
+
+
+def test_fp8_decode_on_the_prefill_kernel(seed):
+    """q_len x group > 64 rows: decode runs on the paged prefill kernel, over the dequantized scratch cache."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(16, 3000) for _ in range(3)]
+    case = _decode_case(rng, contexts, 16, 8, 128, 16)
+    _check_decode(*case, f"fp8 decode on prefill ctx={contexts} seed={seed}")
+
+
+# ---- prefill over a paged fp8 cache (chunked prefill over a prefix cache) -------------------------------------
+
+
+def _prefill_case(rng, new, contexts, block_size, hkv, hq, d, dtype, descale="seq"):
+    k, v, table = _fp8_cache(rng, contexts, block_size, hkv, d)
+    q = torch.randn(sum(new), hq, d, device="cuda", dtype=dtype)
+    cu_q = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32, device="cuda")
+    seqused = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    scales = {name: _descales(descale, len(new), hkv, rng) for name in ("k_descale", "v_descale")}
+    return q, k, v, cu_q, seqused, table, scales
+
+
+def _check_prefill(q, k, v, cu_q, seqused, table, scales, new, contexts, what, **kw):
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, None, max(new), max(contexts), causal=True,
+                                               block_table=table, seqused_k=seqused, out=out,
+                                               return_softmax_lse=True, **scales, **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu_q, None, causal=True, block_table=table, seqused_k=seqused,
+                                           **scales, **kw)
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
+    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 96])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp8_prefill(d, block_size, group, seed):
+    rng = random.Random(seed)
+    new = [rng.randint(1, 300) for _ in range(4)]
+    contexts = [n + rng.choice([0, rng.randint(1, 2000)]) for n in new]  # a prefix cache behind each chunk
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    case = _prefill_case(rng, new, contexts, block_size, 2, 2 * group, d, dtype)
+    _check_prefill(*case, new, contexts, f"fp8 prefill d={d} bs={block_size} group={group} {dtype} new={new} "
+                   f"ctx={contexts} seed={seed}")
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [((100, 0), 0.0, False), ((-1, -1), 25.0, False),
+                                                  ((128, 0), 0.0, True)])
+def test_fp8_prefill_window_softcap_sinks(window, softcap, sinks, seed):
+    rng = random.Random(seed)
+    new = [rng.randint(1, 200) for _ in range(3)]
+    contexts = [n + rng.randint(0, 1500) for n in new]
+    case = _prefill_case(rng, new, contexts, 16, 2, 16, 64, torch.bfloat16, descale="tensor")
+    kw = dict(window_size=window, softcap=softcap)
+    if sinks:
+        kw["sinks"] = torch.randn(16, device="cuda")
+    _check_prefill(*case, new, contexts, f"fp8 prefill window={window} softcap={softcap} sinks={sinks} seed={seed}",
+                   **kw)
+
+
+def test_fp8_prefill_shared_prefix_pages_take_each_sequences_descales(seed):
+    """Two sequences over the same prefix pages (vLLM's prefix caching) with descales of their own: the scratch
+    cache holds a copy per sequence."""
+    rng = random.Random(seed)
+    new, contexts = [50, 70], [900, 900]
+    q, k, v, cu_q, seqused, table, scales = _prefill_case(rng, new, contexts, 16, 2, 8, 128, torch.bfloat16)
+    table[1, :40] = table[0, :40]  # the first 640 keys: one set of pages
+    _check_prefill(q, k, v, cu_q, seqused, table, scales, new, contexts, f"fp8 shared prefix seed={seed}")
+
+
+def test_fp8_prefill_with_cu_seqlens_k(seed):
+    rng = random.Random(seed)
+    new, contexts = [10, 200, 1], [300, 200, 1000]
+    q, k, v, cu_q, _, table, scales = _prefill_case(rng, new, contexts, 64, 2, 4, 128, torch.float16)
+    cu_k = torch.tensor([0] + list(torch.tensor(contexts).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(new), max(contexts), causal=True, block_table=table,
+                                      out=out, **scales)
+    torch.cuda.synchronize()
+    ref = reference.attention(q, k, v, cu_q, cu_k, causal=True, block_table=table, **scales)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 prefill cu_seqlens_k seed={seed}")
+
+
+def test_fp8_prefill_graph_replay(seed):
+    """The scratch cache is allocated from host-known sizes: the prefill captures, and replays with new lengths."""
+    rng = random.Random(seed)
+    new, max_context = [32, 32, 32], 2048
+    q, k, v, cu_q, seqused, table, scales = _prefill_case(rng, new, [max_context] * 3, 16, 2, 8, 128,
+                                                          torch.bfloat16)
+    out = torch.empty_like(q)
+    args = (q, k, v, cu_q, None, max(new), max_context)
+    kw = dict(causal=True, block_table=table, seqused_k=seqused, out=out, **scales)
+    tk_backend.flash_attn_varlen_func(*args, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk_backend.flash_attn_varlen_func(*args, **kw)
+    for _ in range(2):
+        seqused.copy_(torch.tensor([rng.randint(32, max_context) for _ in new], dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.attention(q, k, v, cu_q, None, causal=True, block_table=table, seqused_k=seqused,
+                                  **scales)[0]
+        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 prefill graph replay seed={seed}")
