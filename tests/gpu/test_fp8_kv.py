@@ -283,3 +283,37 @@ def test_fp8_prefill_graph_replay(seed):
         ref = reference.attention(q, k, v, cu_q, None, causal=True, block_table=table, seqused_k=seqused,
                                   **scales)[0]
         assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 prefill graph replay seed={seed}")
+
+
+def test_fp8_bindings_check_their_arguments():
+    """The ops themselves (past the Python validation) refuse bad fp8 arguments before any launch."""
+    kv = (torch.randn(8, 16, 2, 256, device="cuda")).to(torch.float8_e4m3fn)
+    k, v = kv[..., :128], kv[..., 128:]
+    q = torch.randn(3, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.full((3,), 20, dtype=torch.int32, device="cuda")
+    table = torch.arange(6, dtype=torch.int32, device="cuda").view(3, 2)
+    ws = attention.PagedDecode(attention.DecodeWorkspacePool()).plan(
+        seqlens, table, num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16).workspace
+    out, lse = torch.empty_like(q), torch.empty(3, 8, 1, device="cuda")
+
+    def decode(k_cache, v_cache, **descales):
+        torch.ops.tk.attn_decode(q, k_cache, v_cache, seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,
+                                 ws.partial_lse, 256, 64, 0, False, 128, False, 0.1, True, -1, -1, 0.0, None, out,
+                                 lse, **descales)
+
+    scale = torch.ones(3, 2, device="cuda")
+    with pytest.raises(RuntimeError, match="e5m2 KV caches are not supported"):
+        decode(k.view(torch.float8_e5m2), v.view(torch.float8_e5m2))
+    with pytest.raises(RuntimeError, match="k_descale must be float32"):
+        decode(k, v, k_descale=scale.half())
+    with pytest.raises(RuntimeError, match=r"v_descale must be \[batch, kv_heads\] = \[3, 2\]"):
+        decode(k, v, v_descale=scale[:2])
+    with pytest.raises(RuntimeError, match="apply to fp8 caches only"):
+        decode(k.view(torch.uint8).to(torch.bfloat16), v.view(torch.uint8).to(torch.bfloat16), k_descale=scale)
+    with pytest.raises(RuntimeError, match="v_cache must have the dtype of k_cache"):
+        decode(k, v.view(torch.uint8))
+    cu = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
+    dense = torch.randn(4, 2, 128, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="fp8 k / v need a paged cache"):
+        torch.ops.tk.attn_varlen(q[0, :1].expand(4, 8, 128).contiguous(), dense, dense, cu, cu, None, None, 4, 4,
+                                 0.1, True, -1, -1, 0.0, None)
