@@ -35,25 +35,30 @@ __device__ __forceinline__ void dequantize_unit(const uint4& x, float scale, uin
   hi = {out[4], out[5], out[6], out[7]};
 }
 
-// Page j of sequence b, K and V, if the sequence reaches it; page j = 0 also writes the scratch table's row b and
-// the sequence's key count, clamped to the scratch pages (a caller's max_seqlen_k bounds it; past it nothing is read).
+// Scratch slot `slot` of sequence b: its table page first + slot, K and V, if the sequence reaches it. Slot 0 also
+// writes the scratch table's row b and the sequence's key count, clamped to the table (a caller's max_seqlen_k
+// bounds it; past it nothing is read).
 template <typename T>
-__device__ void dequantize_page(const fp8_pages_problem& p, int b, int j) {
+__device__ void dequantize_page(const fp8_pages_problem& p, int b, int slot) {
   const int keys = p.seqused_k ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
   const int pages = min(max((keys + p.block_size - 1) / p.block_size, 0), p.max_pages);
-  if (j == 0) {
-    for (int c = threadIdx.x; c < p.max_pages; c += PAGE_THREADS)
-      p.table_out[b * p.max_pages + c] = b * p.max_pages + c;
+  const int queries = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+  const int first = p.window_left >= 0 ? min(max(keys - queries - p.window_left, 0) / p.block_size, pages) : 0;
+  const long base = long(b) * p.slots;
+  if (slot == 0) {
+    for (int j = threadIdx.x; j < p.max_pages; j += PAGE_THREADS)
+      p.table_out[long(b) * p.max_pages + j] = int(base + min(max(j - first, 0), p.slots - 1));
     if (threadIdx.x == 0) p.seqused_out[b] = min(max(keys, 0), p.max_pages * p.block_size);
   }
+  const int j = first + slot;
   if (j >= pages) return;
-  const long page = __ldg(p.block_table + b * p.bt_stride + j), scratch_page = long(b) * p.max_pages + j;
+  const long page = __ldg(p.block_table + b * p.bt_stride + j);
   const int units_per_head = p.head_dim / 16, units = p.block_size * p.hkv * units_per_head;
 #pragma unroll 1
   for (int kv = 0; kv < 2; kv++) {
     const uint8_t* src = static_cast<const uint8_t*>(kv ? p.v : p.k);
     const long* strides = kv ? p.v_strides : p.k_strides;
-    T* dst = static_cast<T*>(kv ? p.v_out : p.k_out) + scratch_page * p.block_size * p.hkv * p.head_dim;
+    T* dst = static_cast<T*>(kv ? p.v_out : p.k_out) + (base + slot) * p.block_size * p.hkv * p.head_dim;
     for (int u = threadIdx.x; u < units; u += PAGE_THREADS) {
       const int token = u / (p.hkv * units_per_head), h = u / units_per_head % p.hkv, c = u % units_per_head * 16;
       const float scale = kv ? descale_at(p.descales.v, p.descales.v_strides, b, h)
@@ -70,20 +75,19 @@ __device__ void dequantize_page(const fp8_pages_problem& p, int b, int j) {
   }
 }
 
-// Each block takes the (sequence, page) pairs blockIdx.x, + gridDim.x, ...: a grid of bounded size however wide the
-// batch's pages are.
+// Each block takes the (sequence, slot) pairs blockIdx.x, + gridDim.x, ...: a grid of bounded size however many
+// pages the batch reads.
 template <typename T>
 __global__ void __launch_bounds__(PAGE_THREADS) dequantize_pages(const fp8_pages_problem p) {
-  const long pairs = long(p.batch) * p.max_pages;
-  for (long i = blockIdx.x; i < pairs; i += gridDim.x)
-    dequantize_page<T>(p, int(i / p.max_pages), int(i % p.max_pages));
+  const long pairs = long(p.batch) * p.slots;
+  for (long i = blockIdx.x; i < pairs; i += gridDim.x) dequantize_page<T>(p, int(i / p.slots), int(i % p.slots));
 }
 
 }  // namespace
 
 void fp8_pages_dequantize(const fp8_pages_problem& p, cudaStream_t stream) {
   if (p.batch <= 0) return;
-  const int grid = int(std::min<long>(long(p.batch) * p.max_pages, MAX_PAGE_BLOCKS));
+  const int grid = int(std::min<long>(long(p.batch) * p.slots, MAX_PAGE_BLOCKS));
   if (p.type == dtype::bf16) dequantize_pages<bf16><<<grid, PAGE_THREADS, 0, stream>>>(p);
   else dequantize_pages<half><<<grid, PAGE_THREADS, 0, stream>>>(p);
   TK_LAUNCH_CHECK();
