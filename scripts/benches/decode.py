@@ -42,6 +42,10 @@ SERVE_LAYERS = 4
 # (batch, context, hq, hkv, page, head dim, sinks, window).
 MODEL_CASES = [(b, c, 32, 32, 16, 96, False, -1) for b in (8, 64) for c in (1024, 8192)]
 MODEL_CASES += [(b, c, 64, 8, 16, 64, True, w) for b in (8, 64) for c in (1024, 8192) for w in (-1, 127)]
+# FP8 (e4m3) caches (case names end in _fp8): the main grid at 32 / 8 heads, and the 128k-token-table cases; tbps
+# counts 1 byte a K / V element. vllm_fa3 reads them as vLLM's FLASH_ATTN does (its query quantized per tensor).
+FP8_CASES = [(b, c, 32, 8, 16) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)] + [(1, 131072, 32, 8, 16)]
+FP8_CASES += [(b, 1024, 32, 8, 16, WIDE_TABLE) for b in (1, 8, 64)]
 
 
 def wanted(case: str) -> bool:
@@ -93,13 +97,20 @@ def _vllm_fa3():
 VLLM_FA3_SPLITS = 32  # vLLM's attention_config.flash_attn_max_num_splits_for_cuda_graph
 
 
-def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, sinks=None, window=-1):
+def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, sinks=None, window=-1,
+                   descales=None):
     """One decode step as vLLM's FLASH_ATTN backend runs it under full CUDA graphs: the scheduler metadata (its
     prepare kernel, once a step, part of the timed call here), then each layer's varlen kernel with one query
     token a sequence (sinks as its s_aux, a left window as its window_size)."""
     varlen, schedule = vllm_fa
     b, _, hq, d = q.shape
     window_size = (window, 0) if window >= 0 else (-1, -1)
+    fp8 = descales is not None  # FLASH_ATTN quantizes the query per tensor for an fp8 cache (outside this call)
+    if fp8:
+        q = (q.float() / descales[0][0, 0]).to(torch.float8_e4m3fn)
+        scales = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+    else:
+        scales = {}
     hkv, page = k_cache.shape[2], k_cache.shape[1]
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
     max_k = int(seqlens.max())
@@ -112,7 +123,7 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, 
         for _ in range(layers):
             varlen(q3, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_k, seqused_k=seqlens,
                    softmax_scale=d ** -0.5, causal=True, window_size=list(window_size), block_table=table, out=out3,
-                   scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3, s_aux=sinks)
+                   scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3, s_aux=sinks, **scales)
     return call
 
 
@@ -139,11 +150,11 @@ def _tk_step(q, k_cache, v_cache, seqlens, table, out, layers):
 
 
 def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, layers=1, d=D, sinks=False,
-          window=-1) -> list[Row]:
+          window=-1, fp8=False) -> list[Row]:
     case = f"b{b}_ctx{ctx}_hq{hq}_hkv{hkv}_d{d}_page{page}" + (f"_table{table_ctx}" if table_ctx else "")
     case += ("_servelens" if shuffle else "_servelayout") if serve else ""
     case += f"_{layers}layers" if layers > 1 else ""
-    case += ("_sink" if sinks else "") + (f"_win{window + 1}" if window >= 0 else "")
+    case += ("_sink" if sinks else "") + (f"_win{window + 1}" if window >= 0 else "") + ("_fp8" if fp8 else "")
     if not wanted(case):
         return []
     if serve:
@@ -159,13 +170,17 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
         seqlens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     k_cache = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(blocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    if fp8:  # e4m3 caches with per-tensor scales expanded to [batch, kv heads], as vLLM passes them
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     sink_logits = torch.randn(hq, device="cuda", dtype=torch.float32) if sinks else None
     attended = tokens if window < 0 else b * min(ctx, window + 1)  # keys a windowed step reads
-    bytes_moved = 2 * (2 * attended * hkv * d + 2 * b * hq * d) * layers
+    kv_bytes = 1 if fp8 else 2
+    bytes_moved = (2 * kv_bytes * attended * hkv * d + 2 * 2 * b * hq * d) * layers
     num_sms, name = attention._device_info(q.device)
-    plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, d, page, num_sms, window, 0, name)
+    plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, d, page, num_sms, window, 0, name,
+                                 **({"kv_dtype": decode_plan.kv_dtype_of(k_cache.dtype)} if fp8 else {}))
     step = int(decode_plan.step_chunk(plan, seqlens.cpu()))
     balanced = attention.balanced_mode(plan)
     schedule = "balanced shares" if balanced else f"this step's chunk {step} (coarsen_levels={plan.coarsen_levels})"
@@ -176,13 +191,17 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
         extra["sinks"] = sink_logits
     if window >= 0:
         extra["window_size"] = (window, 0)
+    descales = None
+    if fp8:
+        descales = tuple(torch.full((1, 1), x, device="cuda").expand(b, hkv) for x in (0.05, 1.0, 1.0))
+        extra["k_descale"], extra["v_descale"] = descales[1], descales[2]
     if layers == 1:
         impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out,
                                                                     **extra)}
     else:
         impls = {"tk": _tk_step(q, k_cache, v_cache, seqlens, table, out, layers)}
     fa3, vllm_fa = _fa3(), _vllm_fa3()
-    if fa3 is not None and not sinks:  # (the tokenspeed wheel has no sinks)
+    if fa3 is not None and not sinks and not fp8:  # (the tokenspeed wheel: no sinks; fp8 not tried)
         fa3_window = {"window_size": (window, 0)} if window >= 0 else {}
 
         def fa3_step(i):
@@ -192,8 +211,8 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
         impls["fa3"] = fa3_step
     if vllm_fa is not None:  # the FA3 build vLLM's FLASH_ATTN backend calls (where vLLM is importable)
         impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, torch.empty_like(q), layers,
-                                           sink_logits, window)
-    if fa3 is None and vllm_fa is None and not serve and not sinks and window < 0 and b * ctx <= 1 << 20:
+                                           sink_logits, window, descales)
+    if fa3 is None and vllm_fa is None and not serve and not sinks and not fp8 and window < 0 and b * ctx <= 1 << 20:
         def gathered(i):
             k = k_cache[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
             v = v_cache[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
@@ -224,5 +243,8 @@ def run(quick: bool = False) -> list[Row]:
         torch.cuda.empty_cache()
     for b, ctx, hq, hkv, page, d, sinks, window in [] if serve_only or quick else MODEL_CASES:
         rows += _case(b, ctx, hq, hkv, page, d=d, sinks=sinks, window=window)
+        torch.cuda.empty_cache()
+    for case in [] if serve_only or quick else FP8_CASES:
+        rows += _case(*case, fp8=True)
         torch.cuda.empty_cache()
     return rows
