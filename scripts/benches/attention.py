@@ -193,7 +193,7 @@ def _sink_case(b, n, window) -> list[Row]:
     out = torch.empty_like(q)
     impls = {"tk": lambda i: tk_backend.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, out=out,
                                                                window_size=(window, 0), sinks=sinks)}
-    impls["vllm_fa3"] = _vllm_fa3_varlen(q, k, v, cu, cu, n, n, True, window, sinks)
+    impls["vllm_fa3"] = _vllm_fa3_varlen(q, k, v, cu, cu, n, n, True, window, sinks.to(torch.bfloat16))  # bf16 sinks
     return measure(case, impls, _windowed_flops(b, n, hq, d, window))
 
 

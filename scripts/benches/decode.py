@@ -123,7 +123,8 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, 
         for _ in range(layers):
             varlen(q3, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_k, seqused_k=seqlens,
                    softmax_scale=d ** -0.5, causal=True, window_size=list(window_size), block_table=table, out=out3,
-                   scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3, s_aux=sinks, **scales)
+                   scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3,
+                   s_aux=None if sinks is None else sinks.to(torch.bfloat16), **scales)  # its sinks: bf16
     return call
 
 
