@@ -9,9 +9,9 @@ bytes) that store x / scale, with flash-attn's k_descale / v_descale: float32 [b
 expanded, any strides) or None for 1. Attention reads k * k_descale[b, h] and v * v_descale[b, h]. q stays bf16 /
 fp16 and is never quantized here: q_descale, accepted for flash-attn's signature, multiplies q as flash-attn
 defines it (q * q_descale[b, h]), so a caller whose 16-bit q is already the query passes None (or ones); FA3
-quantizes q itself, vLLM's TK backend does not. Decode dequantizes each K/V tile on chip; prefill (and decode's
-prefill-kernel fallback) first dequantizes the batch's pages into a 16-bit scratch cache of batch x
-ceil(max_seqlen_k / block_size) pages. float8_e5m2 caches are refused, as FA3 refuses them.
+quantizes q itself, vLLM's TK backend does not. Decode dequantizes each K/V tile on chip. Prefill over an fp8 cache
+(and decode's prefill-kernel fallback, q_len x group > 64 rows) is refused for now: FP8_PREFILL_REFUSAL says why.
+float8_e5m2 caches are refused, as FA3 refuses them.
 
 Everything here is graph-capturable: validation reads only shapes, dtypes and strides; sequence lengths stay
 on the device (max_seqlen_* are host ints supplied by the caller, as in flash-attn). Whether block-table
@@ -132,6 +132,13 @@ def _head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for t, name in ((k, "k"), (v, "v")):
         if t.shape[-1] != d:
             raise ValueError(f"{name} head dim must equal q's ({d}), got {t.shape[-1]}")
+
+
+FP8_PREFILL_REFUSAL = (
+    "prefill over an fp8 KV cache is not supported yet (fp8 caches serve decode: flash_attn_with_kvcache / "
+    "PagedDecode with q_len x (q heads per kv head) <= 64; the dequantize-then-prefill path waits for its GPU "
+    "checks in ab/fp8-prefill-scratch.patch)"
+)
 
 
 def is_fp8_cache(t: torch.Tensor) -> bool:
@@ -317,6 +324,8 @@ def validate_varlen(
         _out(out, q, (q.shape[0], q.shape[1], v.shape[-1]))
     validate_descales(q_descale, k_descale, v_descale, k, batch, q)
     _bool(causal, "causal")
+    if is_fp8_cache(k):  # every argument checked first, so a bad one is still named
+        raise NotImplementedError(FP8_PREFILL_REFUSAL)
     return _scale(softmax_scale, q.shape[-1]), _window(window_size), _softcap(softcap)
 
 
@@ -465,9 +474,8 @@ def flash_attn_varlen_func(
     with seqused_k, as vLLM calls it). max_seqlen_q/k must bound the true lengths (they size the grid).
     sinks [Hq] float32 (attention sinks, vLLM's / FA3's s_aux): a logit per query head that joins every row's
     softmax denominator and attends to nothing; the lse then includes it. Head dims: multiples of 8 up to 256.
-    Paged k / v may be FP8 caches (float8_e4m3fn or uint8, head dims multiples of 16) with q_descale / k_descale /
-    v_descale float32 [batch, Hkv] or None (the module docstring's FP8 caches): the pages the batch reads are
-    dequantized into a 16-bit scratch cache of batch x ceil(max_seqlen_k / block_size) pages first.
+    FP8 caches are refused here for now (FP8_PREFILL_REFUSAL); q_descale / k_descale / v_descale are flash-attn's
+    arguments for them.
     Returns out, or (out, lse [Hq, total_q] float32) with return_softmax_lse.
     """
     scale, window, softcap = validate_varlen(
@@ -722,6 +730,8 @@ class PagedDecode:
         if _block_table_check_wanted(table):
             check_block_table(table, self.cache_seqlens, k_cache.shape[0], self.page_size)
         if self.split_plan is None:
+            if is_fp8_cache(k_cache):
+                raise NotImplementedError(FP8_PREFILL_REFUSAL)
             out, lse = _decode_on_prefill_kernel(q, k_cache, v_cache, self.cache_seqlens, table, scale, self.causal,
                                                  self.window, softcap, out, sinks, descales)
         else:

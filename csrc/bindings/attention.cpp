@@ -1,6 +1,4 @@
 // torch.library CUDA implementations of tk::attn_varlen / tk::attn_varlen_out (schemas in tk_backend/attention.py).
-// A paged e4m3 cache is first dequantized into a 16-bit scratch cache of the pages the batch reads
-// (tk::fp8_pages_dequantize), sized from host-known sizes only, on which the paged kernel runs.
 #include <ATen/ops/empty.h>
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
@@ -21,46 +19,6 @@ const int* index_ptr(const std::optional<at::Tensor>& t, const at::Tensor& q, co
   return t->data_ptr<int>();
 }
 
-// The scratch cache of an e4m3 one (tk::fp8_pages_problem): ceil(max_seqlen_k / block_size) table columns (at most
-// the table's, at least 1) and as many scratch pages a sequence, or under a left window the most its queries reach;
-// the problem's k / v / block table / key counts are switched to the scratch's.
-struct fp8_scratch {
-  at::Tensor k, v, table, seqused;
-};
-
-fp8_scratch dequantize_pages(tk::attn_varlen_problem& p, const at::Tensor& q, const at::Tensor& k,
-                             const at::Tensor& v, const at::Tensor& block_table, int64_t max_seqlen_q,
-                             int64_t max_seqlen_k, const tk::attn_kv_descales& descales) {
-  const int64_t bs = k.size(1), hkv = k.size(2), d = k.size(3);
-  const int64_t max_pages = std::max<int64_t>(1, std::min<int64_t>((max_seqlen_k + bs - 1) / bs, block_table.size(1)));
-  // A window's keys [L - lq - left, L) touch at most ceil((lq + left) / bs) + 1 pages.
-  const int64_t slots = p.window_left >= 0 ? std::min(max_pages, (max_seqlen_q + p.window_left + bs - 1) / bs + 1)
-                                           : max_pages;
-  fp8_scratch s;
-  s.k = at::empty({p.batch * slots, bs, hkv, d}, q.options());
-  s.v = at::empty({p.batch * slots, bs, hkv, d}, q.options());
-  s.table = at::empty({p.batch, max_pages}, q.options().dtype(at::kInt));
-  s.seqused = at::empty({p.batch}, q.options().dtype(at::kInt));
-  tk::fp8_pages_problem f{};
-  f.type = p.type;
-  f.head_dim = int(d), f.hkv = int(hkv), f.block_size = int(bs), f.batch = p.batch;
-  f.max_pages = int(max_pages), f.slots = int(slots);
-  f.k = k.data_ptr(), f.v = v.data_ptr();
-  for (int i = 0; i < 3; i++) f.k_strides[i] = k.stride(i), f.v_strides[i] = v.stride(i);
-  f.block_table = p.block_table, f.bt_stride = p.bt_stride;
-  f.cu_seqlens_q = p.cu_seqlens_q, f.cu_seqlens_k = p.cu_seqlens_k, f.seqused_k = p.seqused_k;
-  f.window_left = p.window_left;
-  f.descales = descales;
-  f.k_out = s.k.data_ptr(), f.v_out = s.v.data_ptr();
-  f.table_out = s.table.data_ptr<int>(), f.seqused_out = s.seqused.data_ptr<int>();
-  tk::fp8_pages_dequantize(f, c10::cuda::getCurrentCUDAStream());
-  p.k = s.k.data_ptr(), p.v = s.v.data_ptr();
-  for (int i = 0; i < 3; i++) p.k_strides[i] = p.v_strides[i] = s.k.stride(i);
-  p.block_table = f.table_out, p.bt_stride = max_pages, p.num_blocks = int(p.batch * slots);
-  p.cu_seqlens_k = nullptr, p.seqused_k = f.seqused_out;
-  return s;
-}
-
 void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                      const std::optional<at::Tensor>& cu_seqlens_k, const std::optional<at::Tensor>& seqused_k,
                      const std::optional<at::Tensor>& block_table, int64_t max_seqlen_q, int64_t max_seqlen_k,
@@ -76,6 +34,8 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   chk::like(out, q, "out", "q");
   const bool paged = block_table.has_value();
   TORCH_CHECK(!fp8 || paged, "fp8 k / v need a paged cache (block_table): the dense varlen path takes 16-bit k / v");
+  TORCH_CHECK(!fp8, "prefill over an fp8 KV cache is not supported yet (fp8 caches serve decode only; the "
+              "dequantize-then-prefill path waits for its GPU checks in ab/fp8-prefill-scratch.patch)");
   chk::rank(k, paged ? 4 : 3, "k");
   chk::rank(v, paged ? 4 : 3, "v");
   const int64_t d = q.size(2);
@@ -131,11 +91,6 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   p.softcap = float(softcap);
   p.max_seqlen_k = int(std::max<int64_t>(max_seqlen_k, 1));
   p.sinks = chk::attention_sinks(sinks, q, hq, d);
-  fp8_scratch scratch;  // alive until the launch is queued (the caching allocator keeps it for this stream)
-  if (fp8) {
-    const tk::attn_kv_descales descales = chk::kv_descales(q_descale, k_descale, v_descale, q, batch, hkv);
-    scratch = dequantize_pages(p, q, k, v, *block_table, max_seqlen_q, max_seqlen_k, descales);
-  }
   at::Tensor task_counter;
   if (tk::attn_varlen_claims(p)) {
     task_counter = at::empty({1}, q.options().dtype(at::kInt));

@@ -209,8 +209,6 @@ def run(quick: bool = False) -> list[Row]:
     for block in (16,) if quick else (16, 64):
         rows += _paged_case(block)
     if not quick:
-        rows += _paged_case(16, fp8=True)
-    if not quick:
         d, h = PHI3
         for n in (1024, 4096):
             for causal in (False, True):

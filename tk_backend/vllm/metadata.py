@@ -75,25 +75,22 @@ class DecodeStep:
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor, *,
             softmax_scale: float, window_size: tuple[int, int], softcap: float,
-            sinks: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-            v_descale: torch.Tensor | None = None) -> None:
+            sinks: torch.Tensor | None = None) -> None:
         """One layer: query / output [batch * q_len, heads, head_size], the step's decode rows (request-major);
-        sinks: the layer's attention sinks (float32 [heads]) or None; k / v_descale: an FP8 cache's [batch,
-        kv_heads] scales."""
+        sinks: the layer's attention sinks (float32 [heads]) or None."""
         shape = (self.seq_lens.shape[0], self.q_len, query.shape[1], query.shape[2])
         page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         captured = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         table = self.block_table if captured else step_block_table(self.block_table, self.max_seq_len, page_size)
-        config = (shape[2:], page_size, num_kv_heads, window_size, captured, key_cache.dtype)
+        config = (shape[2:], page_size, num_kv_heads, window_size, captured)
         decode = self._plans.get(config)
         if decode is None:
             decode = self._plans[config] = PagedDecode(self.workspaces).plan(
                 self.seq_lens, table, num_q_heads=shape[2], num_kv_heads=num_kv_heads, head_dim=shape[3],
                 page_size=page_size, q_len=self.q_len, causal=self.causal, window_size=window_size,
-                kv_cache_dtype=key_cache.dtype,
             )
         decode.run(query.view(shape), key_cache, value_cache, output.view(shape), softmax_scale=softmax_scale,
-                   softcap=softcap, block_table=table, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+                   softcap=softcap, block_table=table, sinks=sinks)
 
 
 @dataclasses.dataclass
