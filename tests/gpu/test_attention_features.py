@@ -11,6 +11,7 @@ import tk_backend
 from tk_backend import reference
 from tests.accuracy import assert_close
 from tests.gpu.test_attention import _check, _cu
+from tests.gpu.test_decode import check_graph_replay
 
 pytestmark = pytest.mark.gpu
 
@@ -160,20 +161,8 @@ def test_decode_graph_replay_sinks_and_ragged(d, sinks, seed):
     q, k_cache, v_cache, table, seqlens = _decode_case(rng, batch, [6000] * batch, 1, 16, hkv, group, d)
     sink_logits = _sinks(hkv * group, rng) if sinks else None
     seqlens.fill_(100)
-    out = torch.empty_like(q)
-    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, sinks=sink_logits)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, sinks=sink_logits)
-    for _ in range(2):
-        seqlens.copy_(torch.tensor([rng.randint(1, 6000) for _ in range(batch)], dtype=torch.int32))
-        table.copy_(table[torch.randperm(batch, device="cuda")])
-        q.copy_(torch.randn_like(q))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = reference.decode(q, k_cache, v_cache, seqlens, table, sinks=sink_logits)[0]
-        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"graph replay d={d} sinks={sinks} seed={seed}")
+    check_graph_replay(rng, q, k_cache, v_cache, seqlens, table, 6000, f"graph replay d={d} sinks={sinks} seed={seed}",
+                       sinks=sink_logits)
 
 
 def test_sinks_need_a_tile_head_dim():

@@ -78,20 +78,27 @@ def test_decode_graph_replay(seed):
     k_cache, v_cache, table = _cache(rng, batch, [4000] * batch, 16, 8, d)
     q = torch.randn(batch, 1, 32, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    check_graph_replay(rng, q, k_cache, v_cache, seqlens, table, 4000, f"graph replay seed={seed}")
+
+
+def check_graph_replay(rng, q, k_cache, v_cache, seqlens, table, max_len, what, rounds=2, **kw):
+    """flash_attn_with_kvcache(**kw) captured once, then replayed `rounds` times with new lengths (up to max_len),
+    a shuffled block table and new queries, each replay against the reference."""
     out = torch.empty_like(q)
-    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)
+    tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **kw)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out)
-    for _ in range(2):
-        seqlens.copy_(torch.tensor([rng.randint(1, 4000) for _ in range(batch)], dtype=torch.int32))
+        tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **kw)
+    batch = q.shape[0]
+    for _ in range(rounds):
+        seqlens.copy_(torch.tensor([rng.randint(1, max_len) for _ in range(batch)], dtype=torch.int32))
         table.copy_(table[torch.randperm(batch, device="cuda")])
         q.copy_(torch.randn_like(q))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference.decode(q, k_cache, v_cache, seqlens, table)[0]
-        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"graph replay seed={seed}")
+        ref = reference.decode(q, k_cache, v_cache, seqlens, table, **kw)[0]
+        assert_close(out, ref, rel=2e-2, atol=2e-2, what=what)
 
 
 # ---- the split-KV decode kernel (csrc/kernels/decode.cu) through PagedDecode: its plan and workspace, read ----
