@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include "../kernels/attention.h"
+#include "../kernels/attention/variants.cuh"
 
 namespace tk::checks {
 
@@ -47,7 +48,7 @@ inline void tma_rows(const at::Tensor& t, const char* name) {
 inline void attention_head_dim(int64_t d) {
   TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 256, "head dim must be a multiple of 8 between 8 and 256, got ", d);
 }
-inline int64_t attention_tile_dim(int64_t d) { return d <= 64 ? 64 : d <= 128 ? 128 : 256; }
+inline int64_t attention_tile_dim(int64_t d) { return tk::attn::tile_head_dim(int(d)); }
 // Attention sinks: float32 [hq] on q's device, one logit per query head; at the tile head dims only.
 inline const float* attention_sinks(const std::optional<at::Tensor>& sinks, const at::Tensor& q, int64_t hq,
                                     int64_t d) {

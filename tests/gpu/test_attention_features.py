@@ -9,7 +9,6 @@ import torch
 
 import tk_backend
 from tk_backend import reference
-from tests.accuracy import assert_close
 from tests.gpu.test_attention import _check, _cu
 from tests.gpu.test_decode import check_graph_replay
 

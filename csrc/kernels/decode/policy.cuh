@@ -2,6 +2,7 @@
 // Why: docs/findings/decode.md.
 #pragma once
 #include "../attention.h"
+#include "../attention/variants.cuh"
 
 namespace tk::decode {
 
@@ -18,22 +19,13 @@ struct policy {
   // the output rows. A ring stage is free once converted (release lag 0).
   bool fp8_kv = false;
 };
-constexpr policy with_sinks(policy p) {
-  p.sinks = true;
-  return p;
-}
-constexpr policy with_ragged_head_dim(policy p) {
-  p.ragged_head_dim = true;
-  return p;
-}
+using tk::attn::tile_head_dim, tk::attn::with_ragged_head_dim, tk::attn::with_sinks;
 // fp8 tiles are half the bytes: the ring takes `stages` of them in what the fp16 buffers leave of shared memory.
 constexpr policy with_fp8_kv(policy p, int stages) {
   p.fp8_kv = true;
   p.stages = stages;
   return p;
 }
-// The tile a head dim runs on: 64, 128 or 256 columns.
-constexpr int tile_head_dim(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 inline constexpr policy d64{.head_dim = 64, .kv_rows = 128, .stages = 6};
 inline constexpr policy d128{.head_dim = 128, .kv_rows = 128, .stages = 3};
 // 64-key tiles in 6 stages hold the ring bytes of 128 x 3 but free a stage twice as often: short items and balanced
