@@ -97,6 +97,28 @@ def wait_ready(base: str, server: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
 
 
+def serve_command(model_dir: str | Path, port: int, backend: str = "TK", max_model_len: int = 4096,
+                  tensor_parallel_size: int = 1) -> list[str]:
+    """`vllm serve` of model_dir as SERVED_NAME on 127.0.0.1:port with the `backend` attention backend: CUDA graphs
+    (vLLM's default) and prefix caching on, half the GPU memory."""
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+            "--attention-backend", backend, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", "0.5", "--enable-prefix-caching",
+            "--tensor-parallel-size", str(tensor_parallel_size)]
+
+
+def start_server(command: list[str], log_path: Path, cwd: str | Path) -> subprocess.Popen:
+    """Run `command` in vllm_env(), its output to log_path, in a process group of its own (which stop() ends)."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), cwd=cwd,
+                                start_new_session=True)
+
+
+def log_tail(log_path: Path, lines: int = 60) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
 def stop(server: subprocess.Popen) -> None:
     if server.poll() is not None:
         return
@@ -174,16 +196,9 @@ def main() -> int:
         port = args.port or free_port()
         base = f"http://127.0.0.1:{port}"
         log_path = Path(tmp) / "server.log"
-        env = vllm_env()
-        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-                   "--attention-backend", "TK", "--host", "127.0.0.1", "--port", str(port),
-                   "--served-model-name", SERVED_NAME, "--max-model-len", "4096",
-                   "--gpu-memory-utilization", "0.5", "--enable-prefix-caching",
-                   "--tensor-parallel-size", str(args.tensor_parallel_size)]
+        command = serve_command(model_dir, port, tensor_parallel_size=args.tensor_parallel_size)
         print("serve_demo: " + " ".join(command))
-        with open(log_path, "w") as log:
-            server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
-                                      start_new_session=True)
+        server = start_server(command, log_path, cwd=tmp)
         try:
             started = time.perf_counter()
             wait_ready(base, server, args.startup_timeout)
@@ -192,7 +207,7 @@ def main() -> int:
         except Exception as exc:  # report, then stop the server in `finally`
             print(f"serve_demo: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
             print("---- server log (tail) ----", file=sys.stderr)
-            print("\n".join(log_path.read_text(errors="replace").splitlines()[-60:]), file=sys.stderr)
+            print(log_tail(log_path), file=sys.stderr)
             return 1
         finally:
             stop(server)
