@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -74,15 +75,23 @@ def config(preset: str, layers: int | None = None, **overrides):
     return AutoConfig.for_model(fields.pop("model_type"), dtype="bfloat16", **fields)
 
 
-def build(out_dir: str | Path, preset: str, layers: int | None = None, **overrides) -> Path:
+def build(out_dir: str | Path, preset: str, layers: int | None = None, tokenizer: bool = False,
+          **overrides) -> Path:
     """Write out_dir/config.json for the preset (config's arguments; rewritten only when it changes); returns
-    out_dir."""
+    out_dir. tokenizer: also a locally trained byte-level BPE tokenizer (build_tiny_model's, 4096 tokens), for
+    what vLLM will not run without one (its pooling runner)."""
     out_dir = Path(out_dir)
-    text = config(preset, layers, **overrides).to_json_string(use_diff=False)
+    cfg = config(preset, layers, **overrides)
+    text = cfg.to_json_string(use_diff=False)
     path = out_dir / "config.json"
     if not path.exists() or json.loads(path.read_text()) != json.loads(text):
         out_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    if tokenizer and not (out_dir / "tokenizer.json").exists():
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from build_tiny_model import build_tokenizer
+
+        build_tokenizer(out_dir, 4096, 0, cfg.max_position_embeddings)
     return out_dir
 
 
@@ -91,8 +100,9 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
+    parser.add_argument("--tokenizer", action="store_true", help="also write a locally trained tokenizer")
     args = parser.parse_args()
-    path = build(args.out_dir, args.preset, args.layers) / "config.json"
+    path = build(args.out_dir, args.preset, args.layers, args.tokenizer) / "config.json"
     print(f"wrote {args.preset} ({json.loads(path.read_text())['num_hidden_layers']} layers) to {path}")
 
 

@@ -63,12 +63,15 @@ def common_metadata(query_lens, seq_lens, block_table, slot_mapping, device="cpu
         num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]) if num_tokens is None else num_tokens,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_table_tensor=block_table.to(device),
         slot_mapping=slot_mapping.to(device), causal=causal,
+        seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
     )
 
 
 def builder(num_kv_heads=2, head_size=64, block_size=16, speculative_config=None, device="cpu",
-            spec_cls=FullAttentionSpec, builder_cls=TKAttentionMetadataBuilder) -> TKAttentionMetadataBuilder:
-    spec = spec_cls(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.bfloat16)
+            spec_cls=FullAttentionSpec, builder_cls=TKAttentionMetadataBuilder,
+            dtype=torch.bfloat16) -> TKAttentionMetadataBuilder:
+    """dtype: the KV cache's (torch.uint8 for vLLM's --kv-cache-dtype fp8)."""
+    spec = spec_cls(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     config = SimpleNamespace(speculative_config=speculative_config)
     return builder_cls(spec, ["layers.0.attn"], config, torch.device(device))
 

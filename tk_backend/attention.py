@@ -9,9 +9,9 @@ bytes) that store x / scale, with flash-attn's k_descale / v_descale: float32 [b
 expanded, any strides) or None for 1. Attention reads k * k_descale[b, h] and v * v_descale[b, h]. q stays bf16 /
 fp16 and is never quantized here: q_descale, accepted for flash-attn's signature, multiplies q as flash-attn
 defines it (q * q_descale[b, h]), so a caller whose 16-bit q is already the query passes None (or ones); FA3
-quantizes q itself, vLLM's TK backend does not. Decode dequantizes each K/V tile on chip. Prefill over an fp8 cache
-(and decode's prefill-kernel fallback, q_len x group > 64 rows) is refused for now: FP8_PREFILL_REFUSAL says why.
-float8_e5m2 caches are refused, as FA3 refuses them.
+quantizes q itself, vLLM's TK backend does not. Decode dequantizes each K/V tile on chip; prefill (and decode's
+prefill-kernel fallback) first dequantizes the batch's pages into an fp16 scratch cache (flash_attn_varlen_func
+says how large) and runs in fp16. float8_e5m2 caches are refused, as FA3 refuses them.
 
 Everything here is graph-capturable: validation reads only shapes, dtypes and strides; sequence lengths stay
 on the device (max_seqlen_* are host ints supplied by the caller, as in flash-attn). Whether block-table
@@ -37,6 +37,7 @@ HEAD_DIMS = tuple(range(8, 257, 8))
 TILE_HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 MAX_DECODE_Q_LEN = 16
+MAX_DECODE_ROWS = 64  # query rows a kv head (q_len x q heads per kv head) in the split decode kernel's tile
 # The dtypes of FP8 caches: float8_e4m3fn, or uint8 holding its bytes (vLLM allocates its caches as either).
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _DESCALES = "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None"
@@ -47,8 +48,11 @@ _VARLEN_ARGS = (
     "int window_left, int window_right, float softcap, Tensor? sinks"
 )
 # q_descale / k_descale / v_descale: the module docstring's FP8 caches (paged k / v only).
-lib.define(f"attn_varlen({_VARLEN_ARGS}, {_DESCALES}) -> (Tensor out, Tensor lse)")
-lib.define(f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse, {_DESCALES}) -> ()")
+# total_k_bound > 0: the caller's bound on the keys summed over sequences, which sizes an FP8 cache's scratch.
+lib.define(f"attn_varlen({_VARLEN_ARGS}, {_DESCALES}, int total_k_bound=0) -> (Tensor out, Tensor lse)")
+lib.define(
+    f"attn_varlen_out({_VARLEN_ARGS}, Tensor(a!) out, Tensor(b!) lse, {_DESCALES}, int total_k_bound=0) -> ()"
+)
 # Split-KV decode on a DecodeWorkspace: the op fills work_items / cta_start on the device from cache_seqlens
 # and the plan's chunk_tokens / item_overhead / coarsen_levels exactly as decode_plan.build_work_list does (each
 # CTA of the split kernel works out and writes its own range, or in balanced mode a schedule kernel runs first;
@@ -134,11 +138,9 @@ def _head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} head dim must equal q's ({d}), got {t.shape[-1]}")
 
 
-FP8_PREFILL_REFUSAL = (
-    "prefill over an fp8 KV cache is not supported yet (fp8 caches serve decode: flash_attn_with_kvcache / "
-    "PagedDecode with q_len x (q heads per kv head) <= 64; the dequantize-then-prefill path waits for its GPU "
-    "checks in ab/fp8-prefill-scratch.patch)"
-)
+def _total_k_bound(bound: object) -> None:
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        raise ValueError(f"total_k_bound must be an int >= 0 (0: no bound), got {bound!r}")
 
 
 def is_fp8_cache(t: torch.Tensor) -> bool:
@@ -324,8 +326,6 @@ def validate_varlen(
         _out(out, q, (q.shape[0], q.shape[1], v.shape[-1]))
     validate_descales(q_descale, k_descale, v_descale, k, batch, q)
     _bool(causal, "causal")
-    if is_fp8_cache(k):  # every argument checked first, so a bad one is still named
-        raise NotImplementedError(FP8_PREFILL_REFUSAL)
     return _scale(softmax_scale, q.shape[-1]), _window(window_size), _softcap(softcap)
 
 
@@ -427,7 +427,7 @@ def _addressable_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-            scale, causal, window, softcap, out, sinks=None, descales=(None, None, None)
+            scale, causal, window, softcap, out, sinks=None, descales=(None, None, None), total_k_bound=0
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on validated inputs; descales: (q_descale, k_descale, v_descale) of an FP8 cache."""
     q = _addressable_copy(q)
@@ -439,9 +439,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seq
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
             scale, causal, window[0], window[1], softcap, sinks)
     if out is None:
-        return torch.ops.tk.attn_varlen(*args, *descales)
+        return torch.ops.tk.attn_varlen(*args, *descales, total_k_bound)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    torch.ops.tk.attn_varlen_out(*args, out, lse, *descales)
+    torch.ops.tk.attn_varlen_out(*args, out, lse, *descales, total_k_bound)
     return out, lse
 
 
@@ -465,6 +465,7 @@ def flash_attn_varlen_func(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    total_k_bound: int = 0,
 ):
     """Attention over packed variable-length sequences: q [total_q, Hq, D] -> out [total_q, Hq, D].
 
@@ -474,8 +475,11 @@ def flash_attn_varlen_func(
     with seqused_k, as vLLM calls it). max_seqlen_q/k must bound the true lengths (they size the grid).
     sinks [Hq] float32 (attention sinks, vLLM's / FA3's s_aux): a logit per query head that joins every row's
     softmax denominator and attends to nothing; the lse then includes it. Head dims: multiples of 8 up to 256.
-    FP8 caches are refused here for now (FP8_PREFILL_REFUSAL); q_descale / k_descale / v_descale are flash-attn's
-    arguments for them.
+    Paged k / v may be FP8 caches (float8_e4m3fn or uint8, head dims multiples of 16) with q_descale / k_descale /
+    v_descale float32 [batch, Hkv] or None (the module docstring's FP8 caches): the pages the batch reads are
+    dequantized into an fp16 scratch cache first (and the kernel runs in fp16), of batch x ceil(max_seqlen_k /
+    block_size) pages, or fewer with total_k_bound > 0, a host-known bound on the keys summed over sequences
+    (vLLM's CPU sequence lengths): pass it where one long sequence shares a batch with many short ones.
     Returns out, or (out, lse [Hq, total_q] float32) with return_softmax_lse.
     """
     scale, window, softcap = validate_varlen(
@@ -483,9 +487,11 @@ def flash_attn_varlen_func(
         softcap, block_table, seqused_k, out, q_descale, k_descale, v_descale,
     )
     sinks = validate_sinks(sinks, q)
+    _total_k_bound(total_k_bound)
     require_kernels(q)
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                       scale, causal, window, softcap, out, sinks, (q_descale, k_descale, v_descale))
+                       scale, causal, window, softcap, out, sinks, (q_descale, k_descale, v_descale),
+                       int(total_k_bound))
     return (out, lse) if return_softmax_lse else out
 
 
@@ -640,26 +646,30 @@ class PagedDecode:
         num_splits: int = 0,
         split_plan: decode_plan.DecodePlan | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        total_k_bound: int = 0,
     ) -> "PagedDecode":
         """Plan the step of cache_seqlens [batch] (int32, on the device) over block_table [batch, max_blocks]
         (its width bounds every context); num_splits > 0 forces the split count, as in flash-attn. split_plan runs a
         DecodePlan of these shapes as given, in the static schedule (scripts/tune.py times chunks with it).
-        kv_cache_dtype: the caches' dtype (None: 16-bit; an FP8 one plans for 1-byte tokens). Returns self."""
+        kv_cache_dtype: the caches' dtype (None: 16-bit; an FP8 one plans for 1-byte tokens). total_k_bound > 0: a
+        host-known bound on sum(cache_seqlens), which sizes an FP8 cache's scratch where the step runs on the
+        prefill kernel (flash_attn_varlen_func). Returns self."""
         window = validate_decode_plan(cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size,
                                       q_len, causal, window_size, num_splits, kv_cache_dtype)
+        _total_k_bound(total_k_bound)
         if split_plan is not None:
             _check_split_plan(split_plan, block_table.shape[0], block_table.shape[1] * page_size, q_len, num_q_heads,
                               num_kv_heads, head_dim, page_size, window[0])
         return self._plan(cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal,
-                          window, num_splits, split_plan, kv_cache_dtype)
+                          window, num_splits, split_plan, kv_cache_dtype, total_k_bound)
 
     def _plan(self, cache_seqlens, block_table, num_q_heads, num_kv_heads, head_dim, page_size, q_len, causal,
-              window, num_splits, split_plan=None, kv_cache_dtype=None) -> "PagedDecode":
+              window, num_splits, split_plan=None, kv_cache_dtype=None, total_k_bound=0) -> "PagedDecode":
         """plan() on validated arguments."""
         batch, width = block_table.shape
         # More rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill, a debugging
         # fallback): no plan, the paged prefill kernel runs the step.
-        split_kernel = q_len * (num_q_heads // num_kv_heads) <= 64 and os.environ.get("TK_DECODE_KERNEL") != "prefill"
+        split_kernel = q_len * (num_q_heads // num_kv_heads) <= MAX_DECODE_ROWS and os.environ.get("TK_DECODE_KERNEL") != "prefill"
         plan = split_plan
         if plan is None and split_kernel:
             num_sms, device_name = _device_info(cache_seqlens.device)
@@ -670,6 +680,7 @@ class PagedDecode:
         self.q_shape = (batch, q_len, num_q_heads, head_dim)
         self.num_kv_heads, self.page_size = num_kv_heads, page_size
         self.causal, self.window, self.num_splits = causal, window, num_splits
+        self.total_k_bound = total_k_bound
         self.split_plan = plan
         self.balanced = plan is not None and split_plan is None and balanced_mode(plan, num_splits)
         self.kv_tile = decode_plan.kv_tile(plan, self.balanced) if plan is not None else 128
@@ -730,10 +741,8 @@ class PagedDecode:
         if _block_table_check_wanted(table):
             check_block_table(table, self.cache_seqlens, k_cache.shape[0], self.page_size)
         if self.split_plan is None:
-            if is_fp8_cache(k_cache):
-                raise NotImplementedError(FP8_PREFILL_REFUSAL)
             out, lse = _decode_on_prefill_kernel(q, k_cache, v_cache, self.cache_seqlens, table, scale, self.causal,
-                                                 self.window, softcap, out, sinks, descales)
+                                                 self.window, softcap, out, sinks, descales, self.total_k_bound)
         else:
             out, lse = self._run_split(q, k_cache, v_cache, table, scale, softcap, out, sinks, descales)
         return (out, lse) if return_softmax_lse else out
@@ -773,7 +782,7 @@ def _check_split_plan(plan, batch, max_context, q_len, num_q_heads, num_kv_heads
 
 
 def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, window, softcap, out,
-                              sinks=None, descales=(None, None, None)):
+                              sinks=None, descales=(None, None, None), total_k_bound=0):
     """Decode on the paged prefill kernel, where each sequence's q_len queries are the last q_len positions of its
     keys: for more rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill)."""
     bsz, q_len, hq, d = q.shape
@@ -781,7 +790,7 @@ def _decode_on_prefill_kernel(q, k_cache, v_cache, cache_seqlens, block_table, s
     cu_q = torch.arange(0, (bsz + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
     flat_out = out.view(bsz * q_len, hq, d) if out is not None and out.is_contiguous() else None
     o, lse = _varlen(q.reshape(bsz * q_len, hq, d), k_cache, v_cache, cu_q, None, cache_seqlens, block_table,
-                     q_len, max_context, scale, causal, window, softcap, flat_out, sinks, descales)
+                     q_len, max_context, scale, causal, window, softcap, flat_out, sinks, descales, total_k_bound)
     if out is not None and flat_out is None:
         out.copy_(o.view(bsz, q_len, hq, d))
     out = out if out is not None else o.view(bsz, q_len, hq, d)

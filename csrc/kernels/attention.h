@@ -88,6 +88,37 @@ struct attn_kv_descales {
 // dequantizes each K/V tile to fp16 on chip (decode_fp8.cu).
 void attn_decode_fp8(const attn_decode_problem& p, const attn_kv_descales& descales, cudaStream_t stream);
 
+// The pages of an e4m3 paged cache that a varlen batch reads, dequantized into an fp16 scratch cache of the same
+// block layout (fp8_pages.cu) for the paged prefill kernel, which then runs in fp16 (q converted, out converted
+// back). Sequence b (keys_b = seqused_k[b], else cu_seqlens_k[b + 1] - cu_seqlens_k[b]) reads its table's pages
+// [first_b, ceil(keys_b / block_size)), first_b the first page that a left window leaves some query (else 0).
+// The sequences' pages are packed: page j of b becomes scratch page offsets[b] + j - first_b, which
+// scratch_table[b, j] names (columns outside [first_b, pages_b) name one of the sequence's pages: pages behind a
+// window are read as anything finite, as the prefill kernel allows); pages past `capacity` (a caller's bound that
+// did not hold) are not written and their columns name the last scratch page. Pages are copied per sequence, so
+// pages that sequences share take each one's descales: the scratch holds k * k_descale[b, h] * q_descale[b, h] (the
+// scores' factors) and v * v_descale[b, h]; rows past a sequence's last key are zeros.
+struct fp8_pages_problem {
+  int head_dim, hkv, block_size, batch;
+  int max_pages;  // the scratch table's columns: ceil(max_seqlen_k / block_size), at most the table's
+  int slots;      // the most pages one sequence reads: max_pages, or under a left window the most it can reach
+  int capacity;   // scratch pages
+  const void *k, *v;                // e4m3 pages [num_blocks, block_size, hkv, head_dim]
+  long k_strides[3], v_strides[3];  // block, token-in-block, head (elements: bytes)
+  const int* block_table;           // [batch, bt_stride], at least max_pages columns
+  long bt_stride;
+  const int* cu_seqlens_q;  // [batch + 1]: the queries, the last of each sequence's keys
+  const int* cu_seqlens_k;  // [batch + 1], or null (then seqused_k)
+  const int* seqused_k;     // [batch] or null
+  int window_left;          // -1: unbounded
+  attn_kv_descales descales;
+  int* offsets;         // [batch]: written first (each sequence's first scratch page)
+  void *k_out, *v_out;  // fp16 [capacity, block_size, hkv, head_dim] contiguous
+  int* table_out;       // [batch, max_pages] contiguous
+  int* seqused_out;     // [batch]: keys_b, clamped to max_pages * block_size (what the prefill kernel reads)
+};
+void fp8_pages_dequantize(const fp8_pages_problem& p, cudaStream_t stream);
+
 constexpr int DECODE_MAX_COARSEN_LEVELS = 15;  // decode_plan.MAX_COARSEN_LEVELS
 constexpr int DECODE_BALANCED_MAX_CTAS = 1024;  // balanced mode's schedule kernel: two CTAs a thread
 

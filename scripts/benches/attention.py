@@ -45,7 +45,7 @@ def _vllm_fa3_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window=-1, sinks
     varlen = _vllm_fa3()
     if varlen is None:
         return None
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype, device=q.device)
     window_size = [window, 0] if window >= 0 else [-1, -1]
     return lambda i: varlen(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k, cu_seqlens_k=cu_k,
                             causal=causal, window_size=window_size, out=out, fa_version=3, s_aux=sinks, **paged)
@@ -133,14 +133,17 @@ def _varlen_case() -> list[Row]:
     return measure(case, impls, flops) if wanted(case) else []
 
 
-def _paged_case(block: int) -> list[Row]:
-    """A 4096-token prompt chunk over a 28k-token paged context: pages of 16 tokens (vLLM's default), or 64."""
+def _paged_case(block: int, fp8: bool = False) -> list[Row]:
+    """A 4096-token prompt chunk over a 28k-token paged context: pages of 16 tokens (vLLM's default), or 64; fp8:
+    over an e4m3 cache (tk's bar: the TFLOP/s of the same case over a bf16 cache)."""
     new, ctx, hq, hkv, d = 4096, 28672, 32, 8, 128
-    case = f"paged{block}_new4096_ctx28672_d128"
+    case = f"paged{block}_new4096_ctx28672_d128" + ("_fp8" if fp8 else "")
     if not wanted(case):
         return []
     blocks = ctx // block
     kv = torch.randn(blocks + 64, block, hkv, 2 * d, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        kv = kv.to(torch.float8_e4m3fn)
     k_cache, v_cache = kv[..., :d], kv[..., d:]
     table = torch.randperm(blocks + 64, device="cuda")[:blocks].to(torch.int32).view(1, blocks)
     q = torch.randn(new, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -148,9 +151,19 @@ def _paged_case(block: int) -> list[Row]:
     used = torch.tensor([ctx], dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     flops = _flops([new], [ctx], hq, d, True)
+    scales = {}
+    if fp8:
+        scales = {"k_descale": torch.ones(1, 1, device="cuda").expand(1, hkv),
+                  "v_descale": torch.ones(1, 1, device="cuda").expand(1, hkv)}
     impls = {"tk": lambda i: tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, None, new, ctx, causal=True,
-                                                               block_table=table, seqused_k=used, out=out)}
+                                                               block_table=table, seqused_k=used, out=out, **scales)}
     fa3 = _fa3()
+    if fp8:  # vLLM's FA3 on an fp8 cache takes an fp8 query (FLASH_ATTN quantizes it per tensor first)
+        q8 = q.to(torch.float8_e4m3fn)
+        ones = torch.ones(1, 1, device="cuda").expand(1, hkv)
+        impls["vllm_fa3"] = _vllm_fa3_varlen(q8, k_cache, v_cache, cu_q, None, new, ctx, True, seqused_k=used,
+                                             block_table=table, q_descale=ones, k_descale=ones, v_descale=ones)
+        return measure(case, impls, flops)
     if fa3 is not None:  # FA3 reads pages through flash_attn_with_kvcache (its varlen entry has no page table)
         q4 = q.view(1, new, hq, d)
         impls["fa3"] = lambda i: fa3.flash_attn_with_kvcache(q4, k_cache, v_cache, cache_seqlens=used, page_table=table,
@@ -195,6 +208,8 @@ def run(quick: bool = False) -> list[Row]:
     rows += _varlen_case()
     for block in (16,) if quick else (16, 64):
         rows += _paged_case(block)
+    if not quick:
+        rows += _paged_case(16, fp8=True)
     if not quick:
         d, h = PHI3
         for n in (1024, 4096):

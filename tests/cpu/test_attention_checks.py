@@ -92,6 +92,8 @@ VARLEN_ERRORS = [
     (_paged(k=_t(20, 16, 2, 256)[..., ::2]), ValueError, "k must have a contiguous last dimension"),
     (_paged(v=_t(20, 16, 2, 260)[..., :128]), ValueError, r"v must have a contiguous last dimension and 16-byte aligned"),
     (_paged(max_seqlen_k=65), ValueError, r"max_seqlen_k \(65\) exceeds what block_table can address \(4 blocks x 16 = 64"),
+    (_paged(total_k_bound=-1), ValueError, r"total_k_bound must be an int >= 0 \(0: no bound\), got -1"),
+    (_paged(total_k_bound=3.0), ValueError, r"total_k_bound must be an int >= 0 \(0: no bound\), got 3.0"),
 ]
 
 
@@ -312,8 +314,7 @@ def test_fp8_caches_accept_good_input():
         **_fp8_decode(q=_t(3, 16, 8, 128, dtype=torch.float16), k_cache=kv[..., :128], v_cache=kv[..., 128:],
                       q_descale=_t(3, 2, dtype=torch.float32)),
         softmax_scale=None, causal=True, window_size=(1024, -1), softcap=50.0, num_splits=0, out=None)
-    with pytest.raises(NotImplementedError, match="prefill over an fp8 KV cache"):  # past every check: refused
-        attention.validate_varlen(**{**_defaults(), **_fp8_paged(v_descale=_t(2, 2, dtype=torch.float32))})
+    attention.validate_varlen(**{**_defaults(), **_fp8_paged(v_descale=_t(2, 2, dtype=torch.float32))})
     assert attention.is_fp8_cache(kv) and not attention.is_fp8_cache(_t(2))
 
 
@@ -341,11 +342,11 @@ def test_fp8_fake_shapes():
 def test_fp8_public_functions_reach_the_ops(stubbed_kernels):
     out = tk_backend.flash_attn_with_kvcache(**_fp8_decode(q=_t(3, 2, 8, 128)), window_size=(64, -1))
     assert out.shape == (3, 2, 8, 128) and out.dtype == torch.bfloat16
-    # prefill over an fp8 cache, and decode's prefill-kernel fallback (more rows than the split kernel's 64): refused
-    with pytest.raises(NotImplementedError, match="prefill over an fp8 KV cache is not supported yet"):
-        tk_backend.flash_attn_varlen_func(**_fp8_paged(), causal=True, return_softmax_lse=True)
-    with pytest.raises(NotImplementedError, match="prefill over an fp8 KV cache is not supported yet"):
-        tk_backend.flash_attn_with_kvcache(**_fp8_decode(q=_t(3, 16, 16, 128)))  # 16 x 8 rows a kv head
+    out, lse = tk_backend.flash_attn_varlen_func(**_fp8_paged(), causal=True, return_softmax_lse=True)
+    assert out.shape == (10, 8, 128) and lse.shape == (8, 10)
+    # more rows than the split kernel's 64: decode on the paged prefill kernel, descales passed on
+    out = tk_backend.flash_attn_with_kvcache(**_fp8_decode(q=_t(3, 16, 8, 128)))
+    assert out.shape == (3, 16, 8, 128)
     kv = _f8(20, 16, 2, 256)
     decode = attention.PagedDecode(attention.DecodeWorkspacePool()).plan(
         _i(3), _i(3, 5), num_q_heads=8, num_kv_heads=2, head_dim=128, page_size=16, kv_cache_dtype=kv.dtype)

@@ -15,6 +15,7 @@ import os
 import pickle
 import subprocess
 import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -161,6 +162,7 @@ def _selector(**overrides) -> dict:
     "overrides",
     [{}, {"head_size": 64}, {"head_size": 256, "dtype": torch.float16}, {"has_sliding_window": True},
      {"block_size": 32}, {"kv_cache_dtype": "bfloat16"},
+     {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3", "head_size": 64},  # FP8 (e4m3) KV caches
      {"head_size": 96}, {"head_size": 8}, {"head_size": 200},  # Phi-3's 96: every multiple of 8 up to 256
      {"has_sink": True, "head_size": 64, "has_sliding_window": True},  # gpt-oss
      {"has_sink": True, "head_size": 128}, {"has_sink": True, "head_size": 256},
@@ -179,11 +181,10 @@ def test_validation_accepts_supported_configurations(overrides):
         ({"head_size": 100}, "head_size 100 is not supported (TK: multiples of 8 up to 256)"),
         ({"head_size": 264}, "head_size 264 is not supported (TK: multiples of 8 up to 256)"),
         ({"dtype": torch.float32}, "dtype float32 is not supported (TK: bfloat16, float16)"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 is not supported (TK reads auto/bfloat16/float16 caches; "
-                                    "its fp8 kernels cover decode only so far, prefill over an fp8 cache is not "
-                                    "served yet)"),
-        ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype fp8_e4m3 is not supported"),
-        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype fp8_e5m2 is not supported"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype fp8_e5m2 is not supported (TK reads "
+                                         "auto/bfloat16/float16/fp8/fp8_e4m3 caches: e5m2 is refused, as FLASH_ATTN "
+                                         "(FA3) refuses it; use --kv-cache-dtype fp8)"),
+        ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype fp8_inc is not supported"),
         ({"block_size": 8}, "block_size 8 is not supported (TK pages: 16, 32, 64, 128, 256 tokens)"),
         ({"device_capability": DeviceCapability(10, 0)},
          "compute capability sm_100 is not supported (TK kernels: sm_90, Hopper)"),
@@ -217,10 +218,9 @@ def test_a_refusal_is_one_sentence_that_names_tk_not_custom():
         TKAttentionBackend.validate_configuration(**_selector(head_size=100, kv_cache_dtype="fp8_e5m2"))
     assert str(refused.value) == (
         "the TK attention backend (--attention-backend TK) cannot run this model: head_size 100 is not supported "
-        "(TK: multiples of 8 up to 256); kv_cache_dtype fp8_e5m2 is not supported (TK reads auto/bfloat16/float16 "
-        "caches; its fp8 kernels cover decode only so far, prefill over an fp8 cache is not served yet); choose "
-        "another backend, for example --attention-backend "
-        "FLASH_ATTN"
+        "(TK: multiples of 8 up to 256); kv_cache_dtype fp8_e5m2 is not supported (TK reads "
+        "auto/bfloat16/float16/fp8/fp8_e4m3 caches: e5m2 is refused, as FLASH_ATTN (FA3) refuses it; use "
+        "--kv-cache-dtype fp8); choose another backend, for example --attention-backend FLASH_ATTN"
     )
     assert isinstance(refused.value, ValueError)  # what vLLM's own refusal raises
     assert "CUSTOM" not in str(refused.value) and str(refused.value).count(". ") == 0
@@ -267,7 +267,6 @@ def _impl_args(**overrides) -> dict:
     [
         ({"head_size": 100}, "head_size 100 is not supported (TK: multiples of 8 up to 256)"),
         ({"alibi_slopes": [0.5] * 8}, "ALiBi position biases (8 slopes) are not supported"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 is not supported"),
         ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype fp8_e5m2 is not supported"),
         ({"attn_type": "encoder"}, "attention type encoder is not supported"),
         ({"attn_type": "encoder_decoder"}, "attention type encoder_decoder is not supported"),
@@ -290,7 +289,8 @@ def test_impl_refuses_unsupported_layers(kwargs, reason):
     "kwargs",
     [{"sinks": torch.zeros(8), "head_size": 64}, {"sinks": torch.zeros(8, dtype=torch.bfloat16), "head_size": 256},
      {"head_size": 96}, {"head_size": 96, "sliding_window": 2047}, {"attn_type": "encoder_only"},
-     {"attn_type": "encoder_only", "sinks": torch.zeros(8)}],
+     {"attn_type": "encoder_only", "sinks": torch.zeros(8)}, {"kv_cache_dtype": "fp8"},
+     {"kv_cache_dtype": "fp8_e4m3", "sinks": torch.zeros(8), "head_size": 64}],
 )
 def test_impl_accepts_sinks_head_sizes_and_encoder_only_layers(kwargs):
     impl = TKAttentionImpl(**_impl_args(**kwargs))
@@ -543,6 +543,34 @@ def test_cudagraph_support_depends_on_the_decode_width():
         assert TKAttentionMetadataBuilder.get_cudagraph_support(config, spec) is support
 
 
+def test_cudagraph_support_over_fp8_caches_keeps_wide_verification_eager():
+    """Over an FP8 cache, verification steps wider than the decode kernel's 64 rows run on the prefill kernel's
+    scratch, which a graph would size for the whole table: they stay eager (q_len 16 x group 8 = 128 rows)."""
+    model = SimpleNamespace(get_num_attention_heads=lambda parallel: 16)
+    spec_config = SimpleNamespace(num_speculative_tokens=15, parallel_drafting=False,
+                                  enable_adaptive_verification=False)
+    for drafts, dtype, support in [(15, torch.uint8, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE),
+                                   (15, torch.bfloat16, AttentionCGSupport.UNIFORM_BATCH),
+                                   (7, torch.uint8, AttentionCGSupport.UNIFORM_BATCH)]:  # 8 x 8 = 64 rows
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=dtype)
+        config = SimpleNamespace(speculative_config=SimpleNamespace(**{**vars(spec_config),
+                                                                       "num_speculative_tokens": drafts}),
+                                 use_v2_model_runner=True, model_config=model, parallel_config=None)
+        assert TKAttentionMetadataBuilder.get_cudagraph_support(config, spec) is support, (drafts, dtype)
+
+
+@pytest.mark.parametrize("dtype,bounded", [(torch.uint8, True), (torch.bfloat16, False)])
+def test_builder_bounds_an_fp8_prefill_scratch_by_the_cpu_lengths(dtype, bounded):
+    """FP8 caches: the prefill requests' keys summed from vLLM's CPU lengths size the dequantized scratch."""
+    query_lens, seq_lens = [1] * 8 + [7, 30], [10 + i for i in range(8)] + [700, 90]
+    n = len(query_lens)
+    table = torch.arange(n * 64, dtype=torch.int32).view(n, 64)
+    md = builder(dtype=dtype).build(0, common_metadata(query_lens, seq_lens, table, torch.arange(sum(query_lens))))
+    assert md.num_decodes == 8 and md.prefill_total_k == (790 if bounded else 0)
+    uniform = builder(dtype=dtype).build(0, common_metadata([2] * 3, [9, 40, 2], table[:3], torch.arange(6)))
+    assert uniform.decode.total_k_bound == (51 if bounded else 0) and uniform.prefill_total_k == 0
+
+
 @pytest.mark.parametrize("query_lens,seq_lens,uniform", [([1, 1, 1], [9, 30, 1], True), ([3, 3], [40, 3], True),
                                                      ([1, 7], [20, 7], False)])
 def test_builder_keeps_a_bidirectional_batch_bidirectional(query_lens, seq_lens, uniform):
@@ -604,14 +632,17 @@ class _KernelStandIns:
         self.decode_plans: list[attention.PagedDecode] = []  # each decode run's
         self.reused: list[bool] = []  # each split-kernel launch's reuse_schedule
         self.masks: list[tuple] = []  # each call's (op, causal, window, sinks)
+        self.descales: list[tuple] = []  # each call's (op, k_descale, v_descale): an FP8 cache's
 
     def clear(self) -> None:
-        for record in (self.calls, self.decode_table_widths, self.decode_plans, self.reused, self.masks):
+        for record in (self.calls, self.decode_table_widths, self.decode_plans, self.reused, self.masks,
+                       self.descales):
             record.clear()
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
-               return_softmax_lse=False, sinks=None):
+               return_softmax_lse=False, sinks=None, k_descale=None, v_descale=None, total_k_bound=0):
+        self.descales.append(("varlen", k_descale, v_descale))
         meta = [None if t is None else _meta_like(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
                                                               seqused_k, out, sinks)]
         attention.validate_varlen(meta[0], meta[1], meta[2], meta[3], meta[4], max_seqlen_q, max_seqlen_k,
@@ -621,6 +652,8 @@ class _KernelStandIns:
         assert int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q
         keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         assert int(keys.max()) <= max_seqlen_k
+        # An FP8 cache's scratch is sized from total_k_bound: it must bound the keys, and 16-bit caches need none.
+        assert (total_k_bound >= int(keys.sum())) if attention.is_fp8_cache(k) else total_k_bound == 0
         self.calls.append("varlen" if block_table is not None else "varlen(no cache)")
         self.masks.append(("varlen", causal, tuple(window_size), sinks))
         o, _ = reference.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
@@ -637,7 +670,8 @@ class _KernelStandIns:
                 return super().plan(_meta_like(cache_seqlens), _meta_like(block_table), **kw)
 
             def run(self, q, k_cache, v_cache, out=None, *, softmax_scale=None, softcap=0.0, block_table=None,
-                    return_softmax_lse=False, sinks=None):
+                    return_softmax_lse=False, sinks=None, k_descale=None, v_descale=None):
+                stand_ins.descales.append(("decode", k_descale, v_descale))
                 table = self.table if block_table is None else block_table
                 meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, out, block_table, sinks)]
                 super().run(*meta[:4], softmax_scale=softmax_scale, softcap=softcap, block_table=meta[4],
@@ -869,3 +903,16 @@ def test_tensor_parallel_ranks_attend_their_head_slices(kernels, total_q, total_
         impl.forward(layer, q[:, q_heads].contiguous(), None, None, kv_cache, md, out)
         err = (out.float() - full[:, q_heads]).norm() / full[:, q_heads].norm()
         assert err < 1e-2, f"rank {rank}/{tp}: relative error {err:.3e}"
+
+
+def test_an_fp8_cache_reads_the_layers_scales_as_descales():
+    """An FP8 (e4m3) cache's layer passes its per-tensor k / v scales to the ops as FLASH_ATTN does: expanded to
+    [num_seqs, num_kv_heads] float32 (no copy); a 16-bit cache passes none."""
+    layer = types.SimpleNamespace(_k_scale=torch.tensor(0.5), _v_scale=torch.tensor([2.0]))
+    impl = TKAttentionImpl(**_impl_args(kv_cache_dtype="fp8"))
+    descales = impl._descales(layer, 3)
+    assert set(descales) == {"k_descale", "v_descale"}
+    assert descales["k_descale"].shape == (3, impl.num_kv_heads) and descales["k_descale"].dtype == torch.float32
+    assert torch.equal(descales["k_descale"], torch.full((3, impl.num_kv_heads), 0.5))
+    assert torch.equal(descales["v_descale"], torch.full((3, impl.num_kv_heads), 2.0))
+    assert TKAttentionImpl(**_impl_args())._descales(layer, 3) == {}

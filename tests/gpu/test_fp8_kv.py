@@ -179,23 +179,116 @@ def test_fp8_decode_graph_replay(seed):
         assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 graph replay seed={seed}")
 
 
-def test_fp8_prefill_is_refused_in_one_sentence(seed):
-    """Prefill over an fp8 cache (and decode's prefill-kernel fallback) is refused before any launch, by the Python
-    op and by the binding (ab/fp8-prefill-scratch.patch holds the path that waits for its GPU checks)."""
+def test_fp8_decode_on_the_prefill_kernel(seed):
+    """q_len x group > 64 rows: decode runs on the paged prefill kernel, over the dequantized scratch cache."""
     rng = random.Random(seed)
-    k, v, table = _fp8_cache(rng, [300, 200], 16, 2, 128)
-    q = torch.randn(20, 8, 128, device="cuda", dtype=torch.bfloat16)
-    cu_q = torch.tensor([0, 10, 20], dtype=torch.int32, device="cuda")
-    seqused = torch.tensor([300, 200], dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="prefill over an fp8 KV cache is not supported yet"):
-        tk_backend.flash_attn_varlen_func(q, k, v, cu_q, None, 10, 300, causal=True, block_table=table,
-                                          seqused_k=seqused)
-    with pytest.raises(RuntimeError, match="prefill over an fp8 KV cache is not supported yet"):
-        torch.ops.tk.attn_varlen(q, k, v, cu_q, None, seqused, table, 10, 300, 0.1, True, -1, -1, 0.0, None)
-    wide = torch.randn(2, 5, 32, 128, device="cuda", dtype=torch.bfloat16)  # q_len x group = 5 x 16 > 64 rows
-    kk, vv, tt = _fp8_cache(rng, [300, 200], 16, 2, 128)
-    with pytest.raises(NotImplementedError, match="prefill over an fp8 KV cache"):
-        tk_backend.flash_attn_with_kvcache(wide, kk, vv, seqused, tt)
+    contexts = [rng.randint(16, 3000) for _ in range(3)]
+    case = _decode_case(rng, contexts, 16, 8, 128, 16)
+    _check_decode(*case, f"fp8 decode on prefill ctx={contexts} seed={seed}")
+
+
+# ---- prefill over a paged fp8 cache (chunked prefill over a prefix cache) -------------------------------------
+
+
+def _prefill_case(rng, new, contexts, block_size, hkv, hq, d, dtype, descale="seq"):
+    k, v, table = _fp8_cache(rng, contexts, block_size, hkv, d)
+    q = torch.randn(sum(new), hq, d, device="cuda", dtype=dtype)
+    cu_q = torch.tensor([0] + list(torch.tensor(new).cumsum(0)), dtype=torch.int32, device="cuda")
+    seqused = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    scales = {name: _descales(descale, len(new), hkv, rng) for name in ("k_descale", "v_descale")}
+    return q, k, v, cu_q, seqused, table, scales
+
+
+def _check_prefill(q, k, v, cu_q, seqused, table, scales, new, contexts, what, total_k_bound=0, **kw):
+    """total_k_bound > 0 packs the scratch cache to the keys the batch reads (vLLM passes its CPU lengths)."""
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k, v, cu_q, None, max(new), max(contexts), causal=True,
+                                               block_table=table, seqused_k=seqused, out=out,
+                                               return_softmax_lse=True, total_k_bound=total_k_bound, **scales,
+                                               **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k, v, cu_q, None, causal=True, block_table=table, seqused_k=seqused,
+                                           **scales, **kw)
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
+    # The scratch holds k x descale rounded to fp16 (2^-12 relative, where decode folds the descale into the fp32
+    # scores): a row over a few keys moves its lse by up to ~3e-3 (a float64 model of that rounding alone).
+    assert_close(lse, ref_lse, rel=1e-3, atol=4e-3, what=what + " lse")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 96])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp8_prefill(d, block_size, group, seed):
+    rng = random.Random(seed)
+    new = [rng.randint(1, 300) for _ in range(4)]
+    contexts = [n + rng.choice([0, rng.randint(1, 2000)]) for n in new]  # a prefix cache behind each chunk
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    case = _prefill_case(rng, new, contexts, block_size, 2, 2 * group, d, dtype)
+    bound = sum(contexts) if group == 4 else 0
+    _check_prefill(*case, new, contexts, f"fp8 prefill d={d} bs={block_size} group={group} {dtype} new={new} "
+                   f"ctx={contexts} bound={bound} seed={seed}", total_k_bound=bound)
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [((100, 0), 0.0, False), ((-1, -1), 25.0, False),
+                                                  ((128, 0), 0.0, True)])
+def test_fp8_prefill_window_softcap_sinks(window, softcap, sinks, seed):
+    rng = random.Random(seed)
+    new = [rng.randint(1, 200) for _ in range(3)]
+    contexts = [n + rng.randint(0, 1500) for n in new]
+    case = _prefill_case(rng, new, contexts, 16, 2, 16, 64, torch.bfloat16, descale="tensor")
+    kw = dict(window_size=window, softcap=softcap)
+    if sinks:
+        kw["sinks"] = torch.randn(16, device="cuda")
+    _check_prefill(*case, new, contexts, f"fp8 prefill window={window} softcap={softcap} sinks={sinks} seed={seed}",
+                   **kw)
+
+
+def test_fp8_prefill_shared_prefix_pages_take_each_sequences_descales(seed):
+    """Two sequences over the same prefix pages (vLLM's prefix caching) with descales of their own: the scratch
+    cache holds a copy per sequence."""
+    rng = random.Random(seed)
+    new, contexts = [50, 70], [900, 900]
+    q, k, v, cu_q, seqused, table, scales = _prefill_case(rng, new, contexts, 16, 2, 8, 128, torch.bfloat16)
+    table[1, :40] = table[0, :40]  # the first 640 keys: one set of pages
+    _check_prefill(q, k, v, cu_q, seqused, table, scales, new, contexts, f"fp8 shared prefix seed={seed}",
+                   total_k_bound=sum(contexts))
+
+
+def test_fp8_prefill_with_cu_seqlens_k(seed):
+    rng = random.Random(seed)
+    new, contexts = [10, 200, 1], [300, 200, 1000]
+    q, k, v, cu_q, _, table, scales = _prefill_case(rng, new, contexts, 64, 2, 4, 128, torch.float16)
+    cu_k = torch.tensor([0] + list(torch.tensor(contexts).cumsum(0)), dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    tk_backend.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(new), max(contexts), causal=True, block_table=table,
+                                      out=out, **scales)
+    torch.cuda.synchronize()
+    ref = reference.attention(q, k, v, cu_q, cu_k, causal=True, block_table=table, **scales)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 prefill cu_seqlens_k seed={seed}")
+
+
+def test_fp8_prefill_graph_replay(seed):
+    """The scratch cache is allocated from host-known sizes: the prefill captures, and replays with new lengths."""
+    rng = random.Random(seed)
+    new, max_context = [32, 32, 32], 2048
+    q, k, v, cu_q, seqused, table, scales = _prefill_case(rng, new, [max_context] * 3, 16, 2, 8, 128,
+                                                          torch.bfloat16)
+    out = torch.empty_like(q)
+    args = (q, k, v, cu_q, None, max(new), max_context)
+    kw = dict(causal=True, block_table=table, seqused_k=seqused, out=out, **scales)
+    tk_backend.flash_attn_varlen_func(*args, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk_backend.flash_attn_varlen_func(*args, **kw)
+    for _ in range(2):
+        seqused.copy_(torch.tensor([rng.randint(32, max_context) for _ in new], dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.attention(q, k, v, cu_q, None, causal=True, block_table=table, seqused_k=seqused,
+                                  **scales)[0]
+        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 prefill graph replay seed={seed}")
 
 
 def test_fp8_bindings_check_their_arguments():

@@ -56,7 +56,8 @@ def _prompts(vocab: int, seed: int = 1234) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------------- worker
 
 
-def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1) -> None:
+def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto"
+               ) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM
     from vllm.inputs import TokensPrompt
@@ -67,29 +68,32 @@ def run_worker(model: str, backend: str, out: str, tensor_parallel_size: int = 1
         model=model, attention_backend=backend, tensor_parallel_size=tensor_parallel_size, seed=0,
         max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, enable_chunked_prefill=True,
         enable_prefix_caching=True, gpu_memory_utilization=0.1, kv_cache_memory_bytes=harness.E2E_KV_CACHE_BYTES,
-        enforce_eager=False,
+        enforce_eager=False, kv_cache_dtype=kv_cache_dtype,
     )
     token_logprobs, top1 = prompt_logprobs(llm, prompts)
     first = greedy_tokens(llm, prompts, GREEDY_TOKENS)
     second = greedy_tokens(llm, prompts, GREEDY_TOKENS)  # prefix-cache hits
-    Path(out).write_text(json.dumps({"name": f"{backend}@tp{tensor_parallel_size}", "token_logprobs": token_logprobs,
+    name = f"{backend}@tp{tensor_parallel_size}" + ("" if kv_cache_dtype == "auto" else f"/{kv_cache_dtype}")
+    Path(out).write_text(json.dumps({"name": name, "token_logprobs": token_logprobs,
                                      "top1": top1, "greedy": first, "greedy_cached": second}))
 
 
-def _jobs(model_dir: Path, out_dir: Path, *engines: tuple[str, int]) -> list[tuple[Path, list[str], dict[str, str]]]:
-    """run_workers' jobs for each (backend, tensor_parallel_size) engine."""
+def _jobs(model_dir: Path, out_dir: Path, *engines: tuple) -> list[tuple[Path, list[str], dict[str, str]]]:
+    """run_workers' jobs for each (backend, tensor_parallel_size[, kv_cache_dtype]) engine."""
     jobs = []
-    for backend, tp in engines:
-        out = out_dir / f"{backend}_tp{tp}.json"
+    for backend, tp, *cache in engines:
+        kv_cache_dtype = cache[0] if cache else "auto"
+        suffix = "" if kv_cache_dtype == "auto" else f"_{kv_cache_dtype}"
+        out = out_dir / f"{backend}_tp{tp}{suffix}.json"
         # TK takes the harder start method: spawned processes unpickle the config before loading plugins.
         env = harness.vllm_env(**({"VLLM_WORKER_MULTIPROC_METHOD": "spawn"} if backend == "TK" else {}))
         command = [sys.executable, "-m", "tests.gpu.test_vllm_e2e", "--worker", "--model", str(model_dir),
-                   "--backend", backend, "--out", str(out), "--tp", str(tp)]
+                   "--backend", backend, "--out", str(out), "--tp", str(tp), "--kv-cache-dtype", kv_cache_dtype]
         jobs.append((out, command, env))
     return jobs
 
 
-def _run(model_dir: Path, out_dir: Path, *engines: tuple[str, int]) -> list[dict]:
+def _run(model_dir: Path, out_dir: Path, *engines: tuple) -> list[dict]:
     """The results of each (backend, tensor_parallel_size) engine, the missing ones run at once."""
     return harness.run_workers(_jobs(model_dir, out_dir, *engines), cwd=REPO, timeout_s=WORKER_TIMEOUT_S)
 
@@ -120,6 +124,7 @@ def _model(workdir: Path, preset: str) -> Path:
 
 
 TP1_ENGINES = (("FLASH_ATTN", 1), ("TRITON_ATTN", 1), ("TK", 1))
+FP8_ENGINES = (("FLASH_ATTN", 1, "fp8"), ("TRITON_ATTN", 1, "fp8"), ("TK", 1, "fp8"))  # FP8 (e4m3) KV caches
 TP2_ENGINES = (("FLASH_ATTN", 2), ("TRITON_ATTN", 2), ("TK", 2), ("TK", 1), ("FLASH_ATTN", 1))
 
 
@@ -138,6 +143,7 @@ def _needs_gpus(n: int) -> None:
 def _engines_at_once(request, workdir):
     """Every selected agreement test's engines start together (harness.prelaunch)."""
     engines = {"test_tk_agrees_with_flash_attn_at_least_as_well_as_triton": TP1_ENGINES,
+               "test_fp8_cache_tk_agrees_with_flash_attn_at_least_as_well_as_triton": FP8_ENGINES,
                "test_tensor_parallel_2_agrees_with_tp1_and_flash_attn": TP2_ENGINES if _gpus() >= 2 else ()}
 
     def plan(item):
@@ -152,6 +158,15 @@ def _engines_at_once(request, workdir):
 def test_tk_agrees_with_flash_attn_at_least_as_well_as_triton(workdir, preset):
     model = _model(workdir, preset)
     fa, triton, tk = _run(model, workdir / preset, *TP1_ENGINES)
+    assert_agrees_like_yardstick((tk, fa), (triton, fa))
+
+
+@pytest.mark.parametrize("preset", ["tiny-hd128"])
+def test_fp8_cache_tk_agrees_with_flash_attn_at_least_as_well_as_triton(workdir, preset):
+    """--kv-cache-dtype fp8: every backend reads the same e4m3 cache (vLLM's writes), so the yardstick is
+    TRITON_ATTN on fp8 against FLASH_ATTN on fp8."""
+    model = _model(workdir, preset)
+    fa, triton, tk = _run(model, workdir / preset, *FP8_ENGINES)
     assert_agrees_like_yardstick((tk, fa), (triton, fa))
 
 
@@ -189,5 +204,6 @@ if __name__ == "__main__":
     parser.add_argument("--backend", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    run_worker(args.model, args.backend, args.out, args.tp)
+    run_worker(args.model, args.backend, args.out, args.tp, args.kv_cache_dtype)

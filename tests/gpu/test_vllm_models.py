@@ -54,7 +54,8 @@ EMBED_MEAN_FACTOR, EMBED_MAX_FACTOR, EMBED_SLACK = 1.5, 2.0, 1e-4
 MODELS = {
     "phi3-mini": dict(layers=4, pooling=False, max_model_len=2048, num_prompts=12),
     "gpt-oss-20b": dict(layers=4, pooling=False, max_model_len=2048, num_prompts=12),
-    "bge-base": dict(layers=12, pooling=True, max_model_len=512, num_prompts=32),
+    # vLLM's pooling runner will not start with skip_tokenizer_init: this one gets a locally trained tokenizer.
+    "bge-base": dict(layers=12, pooling=True, max_model_len=512, num_prompts=32, tokenizer=True),
     # Head size 100 (hidden 3200 over 32 heads): what TK refuses, to read its refusal.
     "phi3-hd100": dict(layers=2, pooling=False, max_model_len=2048, num_prompts=2, preset="phi3-mini",
                        overrides=dict(hidden_size=3200)),
@@ -116,11 +117,16 @@ def run_worker(model: str, name: str, backend: str, out: str) -> None:
 
     spec = MODELS[name]
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    with_tokenizer = spec.get("tokenizer", False)
+    if with_tokenizer:  # token ids the tokenizer knows (vLLM checks them against it)
+        from transformers import AutoTokenizer
+
+        vocab = min(vocab, len(AutoTokenizer.from_pretrained(model)))
     prompts = [TokensPrompt(prompt_token_ids=p)
                for p in _prompts(vocab, spec["num_prompts"], spec["max_model_len"] - GREEDY_TOKENS - 2)]
     pooling = spec["pooling"]
     llm = LLM(
-        model=model, attention_backend=backend, load_format="dummy", skip_tokenizer_init=True, seed=0,
+        model=model, attention_backend=backend, load_format="dummy", skip_tokenizer_init=not with_tokenizer, seed=0,
         dtype="bfloat16", max_model_len=spec["max_model_len"], max_num_seqs=16,
         max_num_batched_tokens=2048 if pooling else 512, enable_chunked_prefill=not pooling,
         enable_prefix_caching=not pooling, gpu_memory_utilization=0.1, kv_cache_memory_bytes=KV_CACHE_BYTES,
@@ -149,7 +155,8 @@ def _model(workdir: Path, name: str) -> Path:
     from build_model_configs import build
 
     spec = MODELS[name]
-    return build(workdir / name / "model", spec.get("preset", name), spec["layers"], **spec.get("overrides", {}))
+    return build(workdir / name / "model", spec.get("preset", name), spec["layers"], spec.get("tokenizer", False),
+                 **spec.get("overrides", {}))
 
 
 def _jobs(workdir: Path, name: str, backends) -> list[tuple[Path, list[str], dict[str, str]]]:

@@ -39,6 +39,9 @@ from tk_backend.vllm import BACKEND_NAME, compat
 from tk_backend.vllm.metadata import TKAttentionMetadata, TKAttentionMetadataBuilder
 
 HALF_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+# FP8 (e4m3) caches: vLLM writes x / k_scale (v_scale) as e4m3 bytes; the ops read them with k / v descales.
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+CACHE_DTYPES = HALF_CACHE_DTYPES + FP8_CACHE_DTYPES
 REQUIRED_CAPABILITY = (9, 0)
 ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 SINK_HEAD_SIZES = TILE_HEAD_DIMS
@@ -64,7 +67,7 @@ def kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 
 class TKAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(HALF_CACHE_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(CACHE_DTYPES)
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod
@@ -166,8 +169,9 @@ def head_size_reason(head_size: object) -> str:
 
 
 def kv_cache_dtype_reason(kv_cache_dtype: object) -> str:
-    return (f"kv_cache_dtype {kv_cache_dtype} is not supported (TK reads {'/'.join(HALF_CACHE_DTYPES)} caches; its "
-            "fp8 kernels cover decode only so far, prefill over an fp8 cache is not served yet)")
+    why = "e5m2 is refused, as FLASH_ATTN (FA3) refuses it" if "e5m2" in str(kv_cache_dtype) else "other formats"
+    return (f"kv_cache_dtype {kv_cache_dtype} is not supported (TK reads {'/'.join(CACHE_DTYPES)} caches: {why}; "
+            "use --kv-cache-dtype fp8)")
 
 
 def attn_type_reason(attn_type: object) -> str:
@@ -243,7 +247,7 @@ def unsupported_layer_reasons(
     if alibi_slopes is not None:
         reasons.append(f"ALiBi position biases ({len(alibi_slopes)} slopes) are not supported (TK: no bias on the "
                        "scores; rotary-embedding models work)")
-    if kv_cache_dtype not in HALF_CACHE_DTYPES:
+    if kv_cache_dtype not in CACHE_DTYPES:
         reasons.append(kv_cache_dtype_reason(kv_cache_dtype))
     if attn_type not in ATTN_TYPES:
         reasons.append(attn_type_reason(attn_type))
@@ -307,6 +311,7 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8_cache = kv_cache_dtype in FP8_CACHE_DTYPES
         self.attn_type = attn_type
         self.encoder_only = attn_type == AttentionType.ENCODER_ONLY
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
@@ -374,17 +379,28 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         key_cache, value_cache = self._cache_views(kv_cache)
         rows = md.decode_batch * md.decode_query_len
         if md.is_uniform_decode and query.shape[0] >= rows:
-            md.decode.run(query[:rows], key_cache, value_cache, output[:rows], **common)
+            md.decode.run(query[:rows], key_cache, value_cache, output[:rows], **common,
+                          **self._descales(layer, md.decode_batch))
             return output
         n, d = md.num_actual_tokens, md.num_decodes
         if d > 0:  # a mixed batch's leading one-token requests (metadata module docstring)
-            md.decode.run(query[:d], key_cache, value_cache, output[:d], **common)
+            md.decode.run(query[:d], key_cache, value_cache, output[:d], **common, **self._descales(layer, d))
         query_start_loc = md.prefill_query_start_loc if d > 0 else md.query_start_loc
         flash_attn_varlen_func(
             query[d:n], key_cache, value_cache, query_start_loc, None, md.max_query_len, md.max_seq_len,
             causal=md.causal, block_table=md.block_table[d:], seqused_k=md.seq_lens[d:], out=output[d:n], **common,
+            total_k_bound=md.prefill_total_k, **self._descales(layer, md.block_table.shape[0] - d),
         )
         return output
+
+    def _descales(self, layer: torch.nn.Module, num_seqs: int) -> dict:
+        """An FP8 cache's k / v descales as FLASH_ATTN passes them: the layer's scales (per tensor) expanded to
+        [num_seqs, num_kv_heads], no copy. The query stays 16-bit (no q_descale)."""
+        if not self.fp8_cache:
+            return {}
+        shape = (num_seqs, self.num_kv_heads)
+        return {"k_descale": layer._k_scale.float().reshape(1, 1).expand(shape),
+                "v_descale": layer._v_scale.float().reshape(1, 1).expand(shape)}
 
     def _forward_encoder_only(self, query, key, value, md: TKAttentionMetadata, output, sinks) -> torch.Tensor:
         """Each prompt attends over its own keys, bidirectionally (no cache: the batch holds whole prompts)."""

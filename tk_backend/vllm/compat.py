@@ -101,3 +101,12 @@ def max_decode_query_len(vllm_config) -> int:
         return 1
     per_draft = 2 if getattr(spec, "parallel_drafting", False) else 1
     return 1 + per_draft * spec.num_speculative_tokens
+
+
+def query_group(vllm_config, kv_cache_spec) -> int:
+    """Query heads per kv head on this rank (1 where the model config does not say)."""
+    model = getattr(vllm_config, "model_config", None)
+    kv_heads = getattr(kv_cache_spec, "num_kv_heads", 0)
+    if model is None or not kv_heads:
+        return 1
+    return max(model.get_num_attention_heads(vllm_config.parallel_config) // kv_heads, 1)

@@ -33,7 +33,13 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
 
-from tk_backend.attention import DEFAULT_DECODE_WORKSPACES, MAX_DECODE_Q_LEN, DecodeWorkspacePool, PagedDecode
+from tk_backend.attention import (
+    DEFAULT_DECODE_WORKSPACES,
+    MAX_DECODE_Q_LEN,
+    MAX_DECODE_ROWS,
+    DecodeWorkspacePool,
+    PagedDecode,
+)
 from tk_backend.vllm import compat
 
 
@@ -58,10 +64,12 @@ class DecodeStep:
     the whole block table where an eager run reads step_block_table's columns (so the two modes plan apart)."""
 
     def __init__(self, seq_lens: torch.Tensor, block_table: torch.Tensor, max_seq_len: int, q_len: int,
-                 workspaces: DecodeWorkspacePool, plans: dict | None = None, causal: bool = True) -> None:
+                 workspaces: DecodeWorkspacePool, plans: dict | None = None, causal: bool = True,
+                 total_k_bound: int = 0) -> None:
         self.seq_lens = seq_lens  # int32 [batch], device
         self.block_table = block_table  # int32 [batch, max_blocks], device
         self.max_seq_len = max_seq_len
+        self.total_k_bound = total_k_bound  # > 0: a bound on sum(seq_lens) (an FP8 cache's fallback scratch)
         self.q_len = q_len
         self.workspaces = workspaces
         self.causal = causal
@@ -71,26 +79,29 @@ class DecodeStep:
         """The step over another KV-cache group's block table of the same shape (update_block_table): the same
         plans and schedules, which depend on the table's width, not its pages."""
         return DecodeStep(self.seq_lens, block_table, self.max_seq_len, self.q_len, self.workspaces, self._plans,
-                          self.causal)
+                          self.causal, self.total_k_bound)
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor, *,
             softmax_scale: float, window_size: tuple[int, int], softcap: float,
-            sinks: torch.Tensor | None = None) -> None:
+            sinks: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+            v_descale: torch.Tensor | None = None) -> None:
         """One layer: query / output [batch * q_len, heads, head_size], the step's decode rows (request-major);
-        sinks: the layer's attention sinks (float32 [heads]) or None."""
+        sinks: the layer's attention sinks (float32 [heads]) or None; k / v_descale: an FP8 cache's [batch,
+        kv_heads] scales."""
         shape = (self.seq_lens.shape[0], self.q_len, query.shape[1], query.shape[2])
         page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
         captured = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         table = self.block_table if captured else step_block_table(self.block_table, self.max_seq_len, page_size)
-        config = (shape[2:], page_size, num_kv_heads, window_size, captured)
+        config = (shape[2:], page_size, num_kv_heads, window_size, captured, key_cache.dtype)
         decode = self._plans.get(config)
         if decode is None:
             decode = self._plans[config] = PagedDecode(self.workspaces).plan(
                 self.seq_lens, table, num_q_heads=shape[2], num_kv_heads=num_kv_heads, head_dim=shape[3],
                 page_size=page_size, q_len=self.q_len, causal=self.causal, window_size=window_size,
+                kv_cache_dtype=key_cache.dtype, total_k_bound=0 if captured else self.total_k_bound,
             )
         decode.run(query.view(shape), key_cache, value_cache, output.view(shape), softmax_scale=softmax_scale,
-                   softcap=softcap, block_table=table, sinks=sinks)
+                   softcap=softcap, block_table=table, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
 
 
 @dataclasses.dataclass
@@ -115,6 +126,9 @@ class TKAttentionMetadata:
     decode: DecodeStep | None = None
     # False: bidirectional attention (a non-causal decoder, or an encoder-only layer's batch).
     causal: bool = True
+    # FP8 caches, eager batches: a host-known bound on the prefill requests' keys (their sum), which sizes the
+    # dequantized scratch (flash_attn_varlen_func's total_k_bound); 0: none known.
+    prefill_total_k: int = 0
 
     @property
     def is_uniform_decode(self) -> bool:
@@ -124,6 +138,12 @@ class TKAttentionMetadata:
 # A mixed batch's leading single-token requests go through the decode op when there are at least this many;
 # fewer cost the prefill kernel little, next to the decode op's three launches. An estimate, not yet tuned.
 MIN_SPLIT_DECODES = 8
+
+
+def is_fp8_spec(kv_cache_spec) -> bool:
+    """Whether a KV-cache spec holds 1-byte (FP8) entries."""
+    dtype = getattr(kv_cache_spec, "dtype", None)
+    return isinstance(dtype, torch.dtype) and dtype.itemsize == 1
 
 
 def _leading(lens, q_len: int) -> int:
@@ -180,8 +200,13 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        if compat.max_decode_query_len(vllm_config) > MAX_DECODE_Q_LEN:
+        q_len = compat.max_decode_query_len(vllm_config)
+        if q_len > MAX_DECODE_Q_LEN:
             # Verification batches are too wide for the decode op: only plain decode batches can be graphed.
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        if is_fp8_spec(kv_cache_spec) and q_len * compat.query_group(vllm_config, kv_cache_spec) > MAX_DECODE_ROWS:
+            # Over an FP8 cache these run on the prefill kernel's scratch, which a graph would size for every
+            # table column: they run eagerly, where the CPU lengths bound it.
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return cls._cudagraph_support
 
@@ -192,6 +217,7 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
         self.head_size = kv_cache_spec.head_size
         # Encoder-only layers (module docstring): no KV cache, no decode plans.
         self.encoder_only = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
+        self.fp8_cache = is_fp8_spec(kv_cache_spec)
         # One pool for every builder, as every layout's workspace serves any batch size.
         self.decode_workspaces = DEFAULT_DECODE_WORKSPACES
 
@@ -225,10 +251,15 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
             else:
                 num_decodes = 0
         seq_lens, block_table = cm.seq_lens[:num_reqs], cm.block_table_tensor[:num_reqs]
+        bounds = getattr(cm, "seq_lens_cpu_upper_bound", None) if self.fp8_cache else None
+
+        def keys(lo: int, hi: int) -> int:  # the requests' keys from the CPU bounds (0: none known)
+            return int(bounds[lo:hi].sum()) if bounds is not None else 0
+
         decode = None
         if shape is not None:
             decode = DecodeStep(seq_lens, block_table, cm.max_seq_len, decode_query_len, self.decode_workspaces,
-                                causal=causal)
+                                causal=causal, total_k_bound=keys(0, num_reqs))
         elif num_decodes > 0:
             decode = DecodeStep(seq_lens[:num_decodes], block_table[:num_decodes], cm.max_seq_len, 1,
                                 self.decode_workspaces, causal=causal)
@@ -246,6 +277,7 @@ class TKAttentionMetadataBuilder(AttentionMetadataBuilder[TKAttentionMetadata]):
             prefill_query_start_loc=prefill_query_start_loc,
             decode=decode,
             causal=causal,
+            prefill_total_k=keys(num_decodes, num_reqs) if shape is None else 0,
         )
 
     def update_block_table(
