@@ -916,3 +916,15 @@ def test_an_fp8_cache_reads_the_layers_scales_as_descales():
     assert torch.equal(descales["k_descale"], torch.full((3, impl.num_kv_heads), 0.5))
     assert torch.equal(descales["v_descale"], torch.full((3, impl.num_kv_heads), 2.0))
     assert TKAttentionImpl(**_impl_args())._descales(layer, 3) == {}
+
+
+def test_an_fp8_cache_takes_the_query_quantized_as_flash_attn_and_triton_do():
+    """vLLM quantizes the query per tensor for backends that say so (FLASH_ATTN and TRITON_ATTN on CUDA): TK says
+    so over FP8 caches (not encoder-only layers, which have none), and passes layer._q_scale as q_descale."""
+    assert TKAttentionImpl(**_impl_args(kv_cache_dtype="fp8")).supports_quant_query_input
+    assert not TKAttentionImpl(**_impl_args()).supports_quant_query_input
+    assert not TKAttentionImpl(**_impl_args(kv_cache_dtype="fp8", attn_type="encoder_only")).supports_quant_query_input
+    layer = types.SimpleNamespace(_k_scale=torch.tensor(0.5), _v_scale=torch.tensor(2.0), _q_scale=torch.tensor(4.0))
+    descales = TKAttentionImpl(**_impl_args(kv_cache_dtype="fp8"))._descales(layer, 2, quantized_query=True)
+    assert torch.equal(descales["q_descale"], torch.full((2, 2), 4.0)) and set(descales) == {"q_descale",
+                                                                                              "k_descale", "v_descale"}

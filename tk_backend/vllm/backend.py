@@ -314,6 +314,10 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         self.fp8_cache = kv_cache_dtype in FP8_CACHE_DTYPES
         self.attn_type = attn_type
         self.encoder_only = attn_type == AttentionType.ENCODER_ONLY
+        # Over an FP8 cache vLLM hands FLASH_ATTN and TRITON_ATTN the query quantized per tensor (layer._q_scale):
+        # TK takes the same, so it serves the answers they do (forward widens it back exactly; q_descale scales the
+        # scores).
+        self.supports_quant_query_input = self.fp8_cache and not self.encoder_only
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sliding_window = sliding_window
         self.window_size, self.bidirectional_window_size = _windows(sliding_window, attn_type)
@@ -372,6 +376,9 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
             return output.fill_(0)
         md = attn_metadata
         sinks = self.kernel_sinks()
+        quantized_query = query.dtype == torch.float8_e4m3fn
+        if quantized_query:  # e4m3 values are exact in bf16 / fp16
+            query = query.to(output.dtype)
         if self.encoder_only:
             return self._forward_encoder_only(query, key, value, md, output, sinks)
         window = self.window_size if md.causal else self.bidirectional_window_size
@@ -380,27 +387,30 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         rows = md.decode_batch * md.decode_query_len
         if md.is_uniform_decode and query.shape[0] >= rows:
             md.decode.run(query[:rows], key_cache, value_cache, output[:rows], **common,
-                          **self._descales(layer, md.decode_batch))
+                          **self._descales(layer, md.decode_batch, quantized_query))
             return output
         n, d = md.num_actual_tokens, md.num_decodes
         if d > 0:  # a mixed batch's leading one-token requests (metadata module docstring)
-            md.decode.run(query[:d], key_cache, value_cache, output[:d], **common, **self._descales(layer, d))
+            md.decode.run(query[:d], key_cache, value_cache, output[:d], **common,
+                          **self._descales(layer, d, quantized_query))
         query_start_loc = md.prefill_query_start_loc if d > 0 else md.query_start_loc
         flash_attn_varlen_func(
             query[d:n], key_cache, value_cache, query_start_loc, None, md.max_query_len, md.max_seq_len,
             causal=md.causal, block_table=md.block_table[d:], seqused_k=md.seq_lens[d:], out=output[d:n], **common,
-            total_k_bound=md.prefill_total_k, **self._descales(layer, md.block_table.shape[0] - d),
+            total_k_bound=md.prefill_total_k, **self._descales(layer, md.block_table.shape[0] - d, quantized_query),
         )
         return output
 
-    def _descales(self, layer: torch.nn.Module, num_seqs: int) -> dict:
-        """An FP8 cache's k / v descales as FLASH_ATTN passes them: the layer's scales (per tensor) expanded to
-        [num_seqs, num_kv_heads], no copy. The query stays 16-bit (no q_descale)."""
+    def _descales(self, layer: torch.nn.Module, num_seqs: int, quantized_query: bool = False) -> dict:
+        """An FP8 cache's descales as FLASH_ATTN passes them: the layer's scales (per tensor) expanded to
+        [num_seqs, num_kv_heads], no copy; q_descale where vLLM quantized the query."""
         if not self.fp8_cache:
             return {}
         shape = (num_seqs, self.num_kv_heads)
-        return {"k_descale": layer._k_scale.float().reshape(1, 1).expand(shape),
-                "v_descale": layer._v_scale.float().reshape(1, 1).expand(shape)}
+        scales = {"k_descale": layer._k_scale, "v_descale": layer._v_scale}
+        if quantized_query:
+            scales["q_descale"] = layer._q_scale
+        return {name: x.float().reshape(1, 1).expand(shape) for name, x in scales.items()}
 
     def _forward_encoder_only(self, query, key, value, md: TKAttentionMetadata, output, sinks) -> torch.Tensor:
         """Each prompt attends over its own keys, bidirectionally (no cache: the batch holds whole prompts)."""
