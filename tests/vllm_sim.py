@@ -21,10 +21,10 @@ from tk_backend.vllm.metadata import TKAttentionMetadataBuilder
 
 
 def vllm_allocated_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, layout: str,
-                         device: str | torch.device = "cpu"):
-    """Two layers' KV caches as the installed vLLM allocates them, over one raw byte buffer."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                             dtype=torch.bfloat16)
+                         device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
+    """Two layers' KV caches as the installed vLLM allocates them, over one raw byte buffer (dtype: the cache's,
+    torch.uint8 for --kv-cache-dtype fp8)."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     page = spec.page_size_bytes
     raw = torch.zeros(2 * num_blocks * page, dtype=torch.int8, device=device)
     if compat.BACKEND_DECLARES_KV_SHAPE:  # vLLM 0.26: the backend's shape and stride order
@@ -81,8 +81,16 @@ def random_sinks(num_heads: int, gen: torch.Generator) -> torch.Tensor:
     return (2 * torch.randn(num_heads, generator=gen)).to(torch.bfloat16)
 
 
-def _layer(device: torch.device) -> SimpleNamespace:
-    return SimpleNamespace(_k_scale=torch.ones((), device=device), _v_scale=torch.ones((), device=device))
+def _layer(device: torch.device, k_scale: float = 1.0, v_scale: float = 1.0, q_scale: float = 1.0) -> SimpleNamespace:
+    """An attention layer's KV-cache (and query) quantization scales, as vLLM keeps them."""
+    def scale(x):
+        return torch.tensor(x, dtype=torch.float32, device=device)
+
+    return SimpleNamespace(_k_scale=scale(k_scale), _v_scale=scale(v_scale), _q_scale=scale(q_scale))
+
+
+# --kv-cache-dtype fp8: the layer's scales, powers of two apart so that every descale's use shows
+FP8_SCALES = {"k": 0.5, "v": 0.25, "q": 0.125}
 
 
 def _check(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -101,36 +109,46 @@ class ServingSimulation:
 
     sinks=True gives the layer random attention sinks (random_sinks); causal=False makes it a bidirectional decoder
     (every step's metadata says causal=False: a query sees its request's keys so far on both sides, within a
-    symmetric window).
+    symmetric window). kv_cache_dtype="fp8": an e4m3 cache written with the layer's FP8_SCALES, and the query
+    quantized per tensor as vLLM does for backends that take it; the histories are e4m3 values times those scales,
+    so quantizing them is exact and the reference stays the dense one.
     """
 
     def __init__(self, num_heads, num_kv_heads, head_size, prompt_lens, block_size=16, max_len=160,
-                 sliding_window=None, softcap=None, layout="NHD", seed=0, device="cpu", sinks=False, causal=True):
+                 sliding_window=None, softcap=None, layout="NHD", seed=0, device="cpu", sinks=False, causal=True,
+                 kv_cache_dtype="auto"):
         gen = torch.Generator().manual_seed(seed)
         self.h, self.hkv, self.d, self.bs = num_heads, num_kv_heads, head_size, block_size
         self.scale = head_size**-0.5
         self.max_blocks = math.ceil(max_len / block_size)
         num_blocks = len(prompt_lens) * self.max_blocks + 3
         self.device = torch.device(device)
-        _, caches = vllm_allocated_cache(num_blocks, block_size, num_kv_heads, head_size, layout, self.device)
+        self.fp8 = kv_cache_dtype == "fp8"
+        cache_dtype = torch.uint8 if self.fp8 else torch.bfloat16
+        _, caches = vllm_allocated_cache(num_blocks, block_size, num_kv_heads, head_size, layout, self.device,
+                                         cache_dtype)
         self.kv_cache = caches[0]
         perm = torch.randperm(num_blocks - 1, generator=gen)[: len(prompt_lens) * self.max_blocks] + 1
         self.block_table = perm.view(len(prompt_lens), self.max_blocks).to(torch.int32)
-        self.hist = [
-            {n: torch.randn(max_len, hq, head_size, generator=gen).to(torch.bfloat16)
-             for n, hq in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))}
-            for _ in prompt_lens
-        ]
+        def history(name, heads):
+            x = torch.randn(max_len, heads, head_size, generator=gen)
+            if self.fp8:  # e4m3 values times the layer's scale: exact in bf16, and quantized exactly
+                x = (2 * x).to(torch.float8_e4m3fn).float() * FP8_SCALES[name]
+            return x.to(torch.bfloat16)
+
+        self.hist = [{n: history(n, hq) for n, hq in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads))}
+                     for _ in prompt_lens]
         self.done = [0] * len(prompt_lens)
         # vLLM's sliding window w: a query sees itself and the w - 1 keys before it (and after it, bidirectional).
         self.causal = causal
         self.window = (-1, -1) if not sliding_window else (sliding_window - 1, 0 if causal else sliding_window - 1)
         self.softcap = softcap or 0.0
         self.sinks = random_sinks(num_heads, gen) if sinks else None
-        self.impl = TKAttentionImpl(num_heads, head_size, self.scale, num_kv_heads, None, sliding_window, "auto",
-                                    softcap, sinks=None if self.sinks is None else self.sinks.to(self.device))
-        self.builder = builder(num_kv_heads, head_size, block_size, device=self.device)
-        self.layer = _layer(self.device)
+        self.impl = TKAttentionImpl(num_heads, head_size, self.scale, num_kv_heads, None, sliding_window,
+                                    kv_cache_dtype, softcap,
+                                    sinks=None if self.sinks is None else self.sinks.to(self.device))
+        self.builder = builder(num_kv_heads, head_size, block_size, device=self.device, dtype=cache_dtype)
+        self.layer = _layer(self.device, **({f"{n}_scale": x for n, x in FP8_SCALES.items()} if self.fp8 else {}))
 
     def prefill_cached_prefix(self, req: int, n: int) -> None:
         """Tokens whose K/V an earlier step (or another request, via prefix caching) already wrote."""
@@ -164,6 +182,8 @@ class ServingSimulation:
                    .to(self.device) for n, rows in (("q", qs), ("k", ks), ("v", vs)))
         output = torch.full((q.shape[0], self.h, self.d), float("nan"), dtype=torch.bfloat16, device=self.device)
         self.impl.do_kv_cache_update(self.layer, k, v, self.kv_cache, cm.slot_mapping)
+        if self.impl.supports_quant_query_input:  # vLLM's Attention layer quantizes it first
+            q = (q.float() / self.layer._q_scale).to(torch.float8_e4m3fn)
         self.impl.forward(self.layer, q, k, v, self.kv_cache, md, output)
         if check:
             n = cm.num_actual_tokens

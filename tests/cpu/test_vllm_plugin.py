@@ -43,6 +43,7 @@ from tk_backend.vllm.metadata import (  # noqa: E402
     uniform_decode_shape,
 )
 from tests.vllm_sim import (  # noqa: E402
+    FP8_SCALES,
     ServingSimulation,
     builder,
     common_metadata,
@@ -632,7 +633,7 @@ class _KernelStandIns:
         self.decode_plans: list[attention.PagedDecode] = []  # each decode run's
         self.reused: list[bool] = []  # each split-kernel launch's reuse_schedule
         self.masks: list[tuple] = []  # each call's (op, causal, window, sinks)
-        self.descales: list[tuple] = []  # each call's (op, k_descale, v_descale): an FP8 cache's
+        self.descales: list[tuple] = []  # each call's (op, q_descale, k_descale, v_descale): an FP8 cache's
 
     def clear(self) -> None:
         for record in (self.calls, self.decode_table_widths, self.decode_plans, self.reused, self.masks,
@@ -641,12 +642,12 @@ class _KernelStandIns:
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                causal=False, window_size=(-1, -1), softcap=0.0, block_table=None, seqused_k=None, out=None,
-               return_softmax_lse=False, sinks=None, k_descale=None, v_descale=None, total_k_bound=0):
-        self.descales.append(("varlen", k_descale, v_descale))
+               return_softmax_lse=False, sinks=None, q_descale=None, k_descale=None, v_descale=None, total_k_bound=0):
+        self.descales.append(("varlen", q_descale, k_descale, v_descale))
         meta = [None if t is None else _meta_like(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table,
-                                                              seqused_k, out, sinks)]
+                                                              seqused_k, out, sinks, q_descale, k_descale, v_descale)]
         attention.validate_varlen(meta[0], meta[1], meta[2], meta[3], meta[4], max_seqlen_q, max_seqlen_k,
-                                  softmax_scale, causal, window_size, softcap, meta[5], meta[6], meta[7])
+                                  softmax_scale, causal, window_size, softcap, meta[5], meta[6], meta[7], *meta[9:])
         attention.validate_sinks(meta[8], meta[0])
         # max_seqlen_* must bound the true lengths: they size the kernel's grid.
         assert int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) <= max_seqlen_q
@@ -657,7 +658,8 @@ class _KernelStandIns:
         self.calls.append("varlen" if block_table is not None else "varlen(no cache)")
         self.masks.append(("varlen", causal, tuple(window_size), sinks))
         o, _ = reference.attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
-                                   softcap, block_table=block_table, seqused_k=seqused_k, sinks=sinks)
+                                   softcap, block_table=block_table, seqused_k=seqused_k, sinks=sinks,
+                                   q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         out.copy_(o)
         return out
 
@@ -670,18 +672,20 @@ class _KernelStandIns:
                 return super().plan(_meta_like(cache_seqlens), _meta_like(block_table), **kw)
 
             def run(self, q, k_cache, v_cache, out=None, *, softmax_scale=None, softcap=0.0, block_table=None,
-                    return_softmax_lse=False, sinks=None, k_descale=None, v_descale=None):
-                stand_ins.descales.append(("decode", k_descale, v_descale))
+                    return_softmax_lse=False, sinks=None, q_descale=None, k_descale=None, v_descale=None):
+                stand_ins.descales.append(("decode", q_descale, k_descale, v_descale))
                 table = self.table if block_table is None else block_table
-                meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, out, block_table, sinks)]
+                meta = [None if t is None else _meta_like(t) for t in (q, k_cache, v_cache, out, block_table, sinks,
+                                                                      q_descale, k_descale, v_descale)]
                 super().run(*meta[:4], softmax_scale=softmax_scale, softcap=softcap, block_table=meta[4],
-                            sinks=meta[5])
+                            sinks=meta[5], q_descale=meta[6], k_descale=meta[7], v_descale=meta[8])
                 stand_ins.calls.append(f"decode{tuple(q.shape[:2])}")
                 stand_ins.decode_table_widths.append(table.shape[1])
                 stand_ins.decode_plans.append(self)
                 stand_ins.masks.append(("decode", self.causal, self.window, sinks))
                 o, _ = reference.decode(q, k_cache, v_cache, self.lengths, table, softmax_scale, self.causal,
-                                        self.window, softcap, sinks=sinks)
+                                        self.window, softcap, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+                                        v_descale=v_descale)
                 out.copy_(o)
                 return out
 
@@ -694,6 +698,9 @@ class _KernelStandIns:
         keep = slots >= 0
         block_size = key_cache.shape[1]
         blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+        if kv_cache_dtype.startswith("fp8"):  # e4m3 bytes of x / scale, as vLLM's op stores them
+            key = (key.float() / k_scale).to(torch.float8_e4m3fn).view(torch.uint8)
+            value = (value.float() / v_scale).to(torch.float8_e4m3fn).view(torch.uint8)
         key_cache[blocks, offsets] = key[:n][keep]
         value_cache[blocks, offsets] = value[:n][keep]
 
@@ -916,6 +923,28 @@ def test_an_fp8_cache_reads_the_layers_scales_as_descales():
     assert torch.equal(descales["k_descale"], torch.full((3, impl.num_kv_heads), 0.5))
     assert torch.equal(descales["v_descale"], torch.full((3, impl.num_kv_heads), 2.0))
     assert TKAttentionImpl(**_impl_args())._descales(layer, 3) == {}
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,sliding_window", [(8, 2, 64, None), (4, 4, 128, 24)])
+def test_forward_over_an_fp8_cache_serves_every_kind_of_step(kernels, layout, num_heads, num_kv_heads, head_size,
+                                                              sliding_window):
+    """--kv-cache-dtype fp8 end to end through the backend: the cache written as e4m3 with the layer's scales, the
+    query quantized as vLLM does, and every op (decode, split mixed batches, prefill over a cached prefix,
+    verification) given the layer's q / k / v scales as descales (outputs checked by the simulation)."""
+    n = MIN_SPLIT_DECODES + 1
+    sim = ServingSimulation(num_heads, num_kv_heads, head_size, prompt_lens=[40] * n + [70], max_len=200,
+                            sliding_window=sliding_window, layout=layout, kv_cache_dtype="fp8")
+    sim.prefill_cached_prefix(n, 30)
+    kernels.clear()
+    sim.step({r: 20 + r for r in range(n)} | {n: 25})  # prefills, a chunk over a cached prefix
+    sim.step({r: 1 for r in range(n + 1)})  # decode
+    sim.step({**{r: 1 for r in range(n)}, n: 9})  # mixed: split
+    sim.step({r: 3 for r in range(n + 1)})  # verification
+    assert kernels.calls == ["varlen", f"decode({n + 1}, 1)", f"decode({n}, 1)", "varlen", f"decode({n + 1}, 3)"]
+    for op, *scales in kernels.descales:
+        assert all(x is not None for x in scales), op
+        assert [float(x.flatten()[0]) for x in scales] == [FP8_SCALES["q"], FP8_SCALES["k"], FP8_SCALES["v"]], op
 
 
 def test_an_fp8_cache_takes_the_query_quantized_as_flash_attn_and_triton_do():

@@ -83,10 +83,10 @@ class DecodeStep:
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor, *,
             softmax_scale: float, window_size: tuple[int, int], softcap: float,
-            sinks: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-            v_descale: torch.Tensor | None = None) -> None:
+            sinks: torch.Tensor | None = None, q_descale: torch.Tensor | None = None,
+            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> None:
         """One layer: query / output [batch * q_len, heads, head_size], the step's decode rows (request-major);
-        sinks: the layer's attention sinks (float32 [heads]) or None; k / v_descale: an FP8 cache's [batch,
+        sinks: the layer's attention sinks (float32 [heads]) or None; q / k / v_descale: an FP8 cache's [batch,
         kv_heads] scales."""
         shape = (self.seq_lens.shape[0], self.q_len, query.shape[1], query.shape[2])
         page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -101,7 +101,8 @@ class DecodeStep:
                 kv_cache_dtype=key_cache.dtype, total_k_bound=0 if captured else self.total_k_bound,
             )
         decode.run(query.view(shape), key_cache, value_cache, output.view(shape), softmax_scale=softmax_scale,
-                   softcap=softcap, block_table=table, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+                   softcap=softcap, block_table=table, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+                   v_descale=v_descale)
 
 
 @dataclasses.dataclass
