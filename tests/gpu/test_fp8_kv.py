@@ -8,6 +8,7 @@ written into NaN-poisoned buffers, so an unwritten element fails.
 """
 from __future__ import annotations
 
+import multiprocessing
 import random
 
 import pytest
@@ -292,7 +293,18 @@ def test_fp8_prefill_graph_replay(seed):
 
 
 def test_fp8_bindings_check_their_arguments():
-    """The ops themselves (past the Python validation) refuse bad fp8 arguments before any launch."""
+    """The ops themselves (past the Python validation) refuse bad fp8 arguments before any launch. In a child
+    process: one of these calls once killed the interpreter (SIGSEGV at the v_descale shape check, 1d45b6e's
+    tree on the H200), and a crash must fail this test, not end the suite."""
+    child = multiprocessing.get_context("spawn").Process(target=_binding_checks)
+    child.start()
+    child.join(300)
+    assert child.exitcode == 0, (f"the binding checks exited with {child.exitcode} (a negative code is the signal "
+                                 "that killed them; the child's output above says which call)")
+
+
+def _binding_checks() -> None:
+    assert tk_backend.extension_available()
     kv = (torch.randn(8, 16, 2, 256, device="cuda")).to(torch.float8_e4m3fn)
     k, v = kv[..., :128], kv[..., 128:]
     q = torch.randn(3, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -303,6 +315,8 @@ def test_fp8_bindings_check_their_arguments():
     out, lse = torch.empty_like(q), torch.empty(3, 8, 1, device="cuda")
 
     def decode(k_cache, v_cache, **descales):
+        print(f"attn_decode: {k_cache.dtype} / {v_cache.dtype} caches, descales "
+              f"{ {n: (tuple(x.shape), x.dtype) for n, x in descales.items()} }", flush=True)
         torch.ops.tk.attn_decode(q, k_cache, v_cache, seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,
                                  ws.partial_lse, 256, 64, 0, False, 128, False, 0.1, True, -1, -1, 0.0, None, out,
                                  lse, **descales)
