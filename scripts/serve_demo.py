@@ -38,6 +38,14 @@ def vllm_env(**extra: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **extra}
 
 
+def refuse(headline: str, problems: list[str]) -> int:
+    """Print why this machine cannot run a script (headline, then a line a problem); returns exit status 2."""
+    print(headline, file=sys.stderr)
+    for problem in problems:
+        print(f"  - {problem}", file=sys.stderr)
+    return 2
+
+
 def missing_requirements(gpus: int = 1) -> list[str]:
     """Why this machine cannot run the demo on `gpus` GPUs (empty: it can)."""
     problems = []
@@ -182,10 +190,7 @@ def main() -> int:
 
     problems = missing_requirements(args.tensor_parallel_size)
     if problems:
-        print("serve_demo: this machine cannot run the TK serving demo:", file=sys.stderr)
-        for problem in problems:
-            print(f"  - {problem}", file=sys.stderr)
-        return 2
+        return refuse("serve_demo: this machine cannot run the TK serving demo:", problems)
 
     sys.path.insert(0, str(REPO / "examples"))
     from build_tiny_model import build

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import commit_of_tree  # noqa: E402
-from serve_demo import (REPO, SERVED_NAME, free_port, log_tail, missing_requirements, post,  # noqa: E402
+from serve_demo import (REPO, SERVED_NAME, free_port, log_tail, missing_requirements, post, refuse,  # noqa: E402
                         serve_command, start_server, stop, wait_ready)
 
 MAX_TOKENS = 512
@@ -425,10 +425,7 @@ def main() -> int:
     if not shutil.which("nvidia-smi"):
         problems.append("nvidia-smi is not on PATH (it samples the GPU memory)")
     if problems:
-        print("soak: this machine cannot run the TK soak test:", file=sys.stderr)
-        for problem in problems:
-            print(f"  - {problem}", file=sys.stderr)
-        return 2
+        return refuse("soak: this machine cannot run the TK soak test:", problems)
 
     sys.path.insert(0, str(REPO / "examples"))
     from build_tiny_model import build
