@@ -3,7 +3,8 @@
 
     python examples/build_model_configs.py OUT_DIR --preset phi3-mini [--layers 4]
 
-Presets (the shapes the TK backend was first refused for; see tests/gpu/test_vllm_models.py):
+Presets: the shapes the TK backend was first refused for (phi3-mini, bge-base, gpt-oss-20b; see
+tests/gpu/test_vllm_models.py) and the serve bench's full-size models (scripts/benches/serve.py):
 
     phi3-mini     Phi-3-mini-4k (Phi3ForCausalLM): hidden 3072, 32 heads of 96 (no GQA), MLP 8192, 32 layers,
                   a 2047-token sliding window, vocabulary 32064
@@ -12,10 +13,19 @@ Presets (the shapes the TK backend was first refused for; see tests/gpu/test_vll
     gpt-oss-20b   gpt-oss-20b's attention and MoE (GptOssForCausalLM): hidden 2880, 64 q / 8 kv heads of 64,
                   attention sinks, 128-token sliding windows on every other layer (the others full), 32 experts
                   (4 a token), 24 layers, vocabulary 201088; unquantized (bfloat16) where the release is MXFP4
+    llama3.1-8b   Llama-3.1-8B (LlamaForCausalLM): hidden 4096, 32 q / 8 kv heads of 128, MLP 14336, 32 layers,
+                  llama3 rope (theta 500000, factor 8), 131072 positions, vocabulary 128256
+    llama3.2-1b   Llama-3.2-1B (LlamaForCausalLM): hidden 2048, 32 q / 8 kv heads of 64, MLP 8192, 16 layers,
+                  llama3 rope (theta 500000, factor 32), 131072 positions, vocabulary 128256, tied embeddings
+    qwen2.5-7b    Qwen2.5-7B-Instruct (Qwen2ForCausalLM): hidden 3584, 28 q / 4 kv heads of 128 (q/k/v biases),
+                  MLP 18944, 28 layers, rope theta 1e6, 32768 positions, no sliding window, vocabulary 152064
+    gemma2-9b     Gemma-2-9B (Gemma2ForCausalLM): hidden 3584, 16 q / 8 kv heads of 256, MLP 14336, 42 layers,
+                  logit soft caps 50 (attention) / 30 (final), a 4096-token sliding window on the even layers
+                  (the odd ones full), 8192 positions, vocabulary 256000, tied embeddings
 
 --layers keeps the first N layers (a test's engines start in seconds instead of minutes); the per-layer pattern
-(gpt-oss's alternating windows) is kept. The configs are built with transformers' own config classes, so they
-are what `AutoConfig.from_pretrained` and vLLM read.
+(gpt-oss's and Gemma-2's alternating windows) is kept. The configs are built with transformers' own config classes,
+so they are what `AutoConfig.from_pretrained` and vLLM read.
 """
 from __future__ import annotations
 
@@ -56,8 +66,53 @@ def gpt_oss_20b(layers: int) -> dict:
     )
 
 
+def _llama3(layers: int, hidden: int, heads: int, head_dim: int, mlp: int, rope_factor: float, tied: bool) -> dict:
+    return dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=hidden, intermediate_size=mlp,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=head_dim,
+        hidden_act="silu", attention_bias=False, mlp_bias=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=rope_factor, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=8192),
+        vocab_size=128256, bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=tied,
+    )
+
+
+def llama3_1_8b(layers: int) -> dict:
+    return _llama3(layers, hidden=4096, heads=32, head_dim=128, mlp=14336, rope_factor=8.0, tied=False)
+
+
+def llama3_2_1b(layers: int) -> dict:
+    return _llama3(layers, hidden=2048, heads=32, head_dim=64, mlp=8192, rope_factor=32.0, tied=True)
+
+
+def qwen2_5_7b(layers: int) -> dict:
+    return dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=layers, num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default",
+                                                                               rope_theta=1000000.0),
+        use_sliding_window=False, max_window_layers=28, vocab_size=152064, bos_token_id=151643,
+        eos_token_id=151645, tie_word_embeddings=False,
+    )
+
+
+def gemma2_9b(layers: int) -> dict:
+    return dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=3584, intermediate_size=14336,
+        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, sliding_window=4096,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        attention_bias=False, vocab_size=256000, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+
+
 # preset -> (config of `layers` layers, the release's layer count)
-PRESETS = {"phi3-mini": (phi3_mini, 32), "bge-base": (bge_base, 12), "gpt-oss-20b": (gpt_oss_20b, 24)}
+PRESETS = {"phi3-mini": (phi3_mini, 32), "bge-base": (bge_base, 12), "gpt-oss-20b": (gpt_oss_20b, 24),
+           "llama3.1-8b": (llama3_1_8b, 32), "llama3.2-1b": (llama3_2_1b, 16), "qwen2.5-7b": (qwen2_5_7b, 28),
+           "gemma2-9b": (gemma2_9b, 42)}
 
 
 def config(preset: str, layers: int | None = None, **overrides):

@@ -27,6 +27,11 @@ EXPECTED = {
     "phi3-mini": ("generate", "decoder", 32, 32, 96, [2047] * 4, False),
     "gpt-oss-20b": ("generate", "decoder", 64, 8, 64, [128, None, 128, None], True),
     "bge-base": ("pooling", "encoder_only", 12, 12, 64, [None] * 4, False),
+    # the serve bench's full-size models (scripts/benches/serve.py)
+    "llama3.1-8b": ("generate", "decoder", 32, 8, 128, [None] * 4, False),
+    "llama3.2-1b": ("generate", "decoder", 32, 8, 64, [None] * 4, False),
+    "qwen2.5-7b": ("generate", "decoder", 28, 4, 128, [None] * 4, False),
+    "gemma2-9b": ("generate", "decoder", 16, 8, 256, [4096, None, 4096, None], False),
 }
 
 
