@@ -8,8 +8,9 @@ FP8 KV caches (vLLM's --kv-cache-dtype fp8 / fp8_e4m3): paged caches of dtype fl
 bytes) that store x / scale, with flash-attn's k_descale / v_descale: float32 [batch, kv_heads] (a per-tensor scale
 expanded, any strides) or None for 1. Attention reads k * k_descale[b, h] and v * v_descale[b, h]. q stays bf16 /
 fp16 and is never quantized here: q_descale, accepted for flash-attn's signature, multiplies q as flash-attn
-defines it (q * q_descale[b, h]), so a caller whose 16-bit q is already the query passes None (or ones); FA3
-quantizes q itself, vLLM's TK backend does not. Decode dequantizes each K/V tile on chip; prefill (and decode's
+defines it (q * q_descale[b, h]), so a caller whose 16-bit q is already the query passes None (or ones). vLLM
+hands its backends the query quantized per tensor: the TK backend widens it back (exactly) and passes the layer's
+q scale as q_descale. Decode dequantizes each K/V tile on chip; prefill (and decode's
 prefill-kernel fallback) first dequantizes the batch's pages into an fp16 scratch cache (flash_attn_varlen_func
 says how large) and runs in fp16. float8_e5m2 caches are refused, as FA3 refuses them.
 
@@ -490,8 +491,7 @@ def flash_attn_varlen_func(
     _total_k_bound(total_k_bound)
     require_kernels(q)
     out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                       scale, causal, window, softcap, out, sinks, (q_descale, k_descale, v_descale),
-                       int(total_k_bound))
+                       scale, causal, window, softcap, out, sinks, (q_descale, k_descale, v_descale), total_k_bound)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -669,7 +669,8 @@ class PagedDecode:
         batch, width = block_table.shape
         # More rows per kv head than the split kernel's 64-row tile (or TK_DECODE_KERNEL=prefill, a debugging
         # fallback): no plan, the paged prefill kernel runs the step.
-        split_kernel = q_len * (num_q_heads // num_kv_heads) <= MAX_DECODE_ROWS and os.environ.get("TK_DECODE_KERNEL") != "prefill"
+        split_kernel = (q_len * (num_q_heads // num_kv_heads) <= MAX_DECODE_ROWS
+                        and os.environ.get("TK_DECODE_KERNEL") != "prefill")
         plan = split_plan
         if plan is None and split_kernel:
             num_sms, device_name = _device_info(cache_seqlens.device)

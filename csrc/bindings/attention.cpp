@@ -1,6 +1,6 @@
 // torch.library CUDA implementations of tk::attn_varlen / tk::attn_varlen_out (schemas in tk_backend/attention.py).
-// A paged e4m3 cache is first dequantized into a 16-bit scratch cache of the pages the batch reads
-// (tk::fp8_pages_dequantize), sized from host-known sizes only, on which the paged kernel runs.
+// A paged e4m3 cache is first dequantized into an fp16 scratch cache of the pages the batch reads
+// (tk::fp8_pages_dequantize), sized from host-known sizes (and total_k_bound), on which the paged kernel runs in fp16.
 #include <ATen/ops/empty.h>
 #include <algorithm>
 #include <c10/cuda/CUDAGuard.h>
@@ -38,7 +38,8 @@ fp8_scratch dequantize_pages(tk::attn_varlen_problem& p, const at::Tensor& q, co
   const int64_t slots = p.window_left >= 0 ? std::min(max_pages, (max_seqlen_q + p.window_left + bs - 1) / bs + 1)
                                            : max_pages;
   int64_t capacity = p.batch * slots;
-  if (total_k_bound > 0) capacity = std::min(capacity, (total_k_bound + bs - 1) / bs + p.batch);  // a page each to round
+  // A sequence's keys round up to whole pages: at most one page a sequence beyond the bound's.
+  if (total_k_bound > 0) capacity = std::min(capacity, (total_k_bound + bs - 1) / bs + p.batch);
   capacity = std::max<int64_t>(capacity, 1);
   TORCH_CHECK(capacity <= INT32_MAX, "the fp8 scratch cache would hold ", capacity, " pages: pass total_k_bound");
   const auto half = q.options().dtype(at::kHalf);

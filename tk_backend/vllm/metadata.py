@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
 
 from tk_backend.attention import (
     DEFAULT_DECODE_WORKSPACES,
+    FP8_CACHE_DTYPES,
     MAX_DECODE_Q_LEN,
     MAX_DECODE_ROWS,
     DecodeWorkspacePool,
@@ -142,9 +143,8 @@ MIN_SPLIT_DECODES = 8
 
 
 def is_fp8_spec(kv_cache_spec) -> bool:
-    """Whether a KV-cache spec holds 1-byte (FP8) entries."""
-    dtype = getattr(kv_cache_spec, "dtype", None)
-    return isinstance(dtype, torch.dtype) and dtype.itemsize == 1
+    """Whether a KV-cache spec holds FP8 (e4m3) entries (vLLM allocates them as uint8)."""
+    return getattr(kv_cache_spec, "dtype", None) in FP8_CACHE_DTYPES
 
 
 def _leading(lens, q_len: int) -> int:
