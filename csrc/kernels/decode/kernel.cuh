@@ -4,9 +4,10 @@
 // producer streams the item's keys page piece by page piece (16 rows, any block size). Each item leaves a
 // normalised partial output and its LSE for the merge (merge.cuh); an item that covers its sequence's whole visible
 // range writes out and lse itself, and the merge passes its segment by.
-// Over FP8 caches (P.fp8_kv) the ring holds e4m3 tiles: the consumer converts K_j into an fp16 buffer before
-// S_j = Q K_j^T and V_j into another once P_{j-1} V_{j-1} is done with it (dequant.cuh); queries and P are fp16,
-// k_descale (and q_descale) fold into the task's score scale and v_descale scales its output rows.
+// Over FP8 caches (P.fp8_kv) the ring holds e4m3 tiles, which the producer warpgroup's idle warps convert into a
+// second ring of fp16 tiles (lcsf's converted ring, dequant.cuh) while the consumer computes on the previous ones:
+// the consumer's work is the 16-bit kernel's, on fp16 queries and tiles; k_descale (and q_descale) fold into the
+// task's score scale and v_descale scales its output rows.
 #pragma once
 #include "../attention/masks.cuh"
 #include "../attention/paging.cuh"
@@ -22,12 +23,12 @@ struct attn_decode_split {
   static constexpr int D = P.head_dim, consumers = 1, ROWS = 64, PIECE = 16, KV = P.kv_rows, stages = P.stages;
   // Chained to whatever came before (balanced mode: its schedule kernel), and the merge to this one: each
   // launch overlaps the previous kernel's tail (the b1 cases are a few microseconds a kernel).
-  // fp8: a stage is converted, and free, by the end of its compute.
-  static constexpr lcsf::options pipeline{.release_lag = P.fp8_kv ? 0 : 1, .chain = lcsf::launch_chain::chained};
+  static constexpr lcsf::options pipeline{.chain = lcsf::launch_chain::chained};
   using mma_t = std::conditional_t<P.fp8_kv, half, T>;      // the products' inputs
   using cache_t = std::conditional_t<P.fp8_kv, fp8e4m3, T>;  // the caches' elements
   using q_tile = st<mma_t, ROWS, D>;
   using kv_tile = st<cache_t, KV, D>;
+  using mma_kv_tile = st<mma_t, KV, D>;  // the tiles the products read: the ring's, or (fp8) the converted ring's
   using piece = st<cache_t, PIECE, D>;
   static constexpr int COLS = P.ragged_head_dim ? RUNTIME : D;         // the caches' head dim
   using pages_gl = gl<cache_t, RUNTIME, RUNTIME, RUNTIME, COLS, piece>;  // (blocks, heads, block_size, head dim)
@@ -65,9 +66,11 @@ struct attn_decode_split {
     tk::attn_kv_descales descales;  // P.fp8_kv
   };
   struct input_block { kv_tile k, v; };
-  struct plain_scratch { q_tile q; };
-  struct fp8_scratch { q_tile q; st<half, KV, D> k, v; };  // and the fp16 K and V the products read
-  using scratch_block = std::conditional_t<P.fp8_kv, fp8_scratch, plain_scratch>;
+  // fp8: the converted ring (lcsf), whose stages the consumer computes on.
+  struct converted_block { mma_kv_tile k, v; };
+  static constexpr int converted_stages = P.fp8_kv ? P.converted_stages : 0;
+  using compute_block = std::conditional_t<P.fp8_kv, converted_block, input_block>;
+  struct scratch_block { q_tile q; };
   using s_tile = rt_fl<16, KV>;
   using row_vec = typename s_tile::per_row;
   struct consumer_state {
@@ -75,7 +78,7 @@ struct attn_decode_split {
     rt<mma_t, 16, KV> p;
     row_vec m, l, rescale;
     bool rescale_o;  // whether o must take `rescale` (lazy rescaling: no row's max moved, see RESCALE_THRESHOLD)
-    const kv_tile* v_prev;
+    const mma_kv_tile* v_prev;
     float scale_log2, out_scale;  // P.fp8_kv: the task's score scale (descales folded in) and output scale
   };
   struct task_t { int item, b, h, start, end, base, len, iters; };
@@ -149,7 +152,7 @@ struct attn_decode_split {
   }
 
   // The packed query tile: row r = t * group + g holds q[b, t, h * group + g]; rows past q_len * group are 0.
-  // (fp8: as fp16, and published with the first K tile's conversion.)
+  // (fp8: as fp16.)
   __device__ static void load_queries(scratch_block& scratch, const globals& g, const task_t& t) {
     constexpr int vecs_per_row = D * int(sizeof(T)) / 16;
     const int rows = g.q_len * g.group;
@@ -164,32 +167,19 @@ struct attn_decode_split {
       if constexpr (P.fp8_kv) x = to_half_unit<T>(x);  // the products' type
       detail::st_shared_16B(scratch.q.ref().addr(r, col), x);
     }
-    if constexpr (!P.fp8_kv) publish();  // the tile is read by wgmma next
+    publish();  // the tile is read by wgmma next
   }
   // The warpgroup's shared-memory writes, visible to its wgmma: the proxy fence, then the warpgroup barrier.
   __device__ static void publish() {
     fence_async_shared();
     warpgroup::sync(1);
   }
-  // The K tile S = Q K^T reads and the V tile of the previous P V: the ring's, or (fp8) the fp16 buffers.
-  __device__ static const auto& k_operand(const input_block& in, const scratch_block& scratch) {
-    if constexpr (P.fp8_kv) return scratch.k;
-    else return in.k;
-  }
-  __device__ static const auto& v_operand(const consumer_state& s, const scratch_block& scratch) {
-    if constexpr (P.fp8_kv) return scratch.v;
-    else return *s.v_prev;
-  }
-  // Stage `it`'s V for the next P V: kept in the ring, or (fp8) converted into the V buffer, its rows past the
-  // item's end zeroed (drain's reason), once every warp is done with its products (the barrier: a warp's wait covers
-  // its own part of a product only), so that the V buffer, and the K buffer after it, may be rewritten.
-  __device__ static void keep_v(consumer_state& s, input_block& in, scratch_block& scratch, const task_t& t, int it) {
-    if constexpr (P.fp8_kv) {
-      warpgroup::sync(1);
-      dequantize(scratch.v, in.v, t.end - (t.base + it * KV));
-    } else {
-      s.v_prev = &in.v;
-    }
+  // fp8: the converted ring's stage `it` (lcsf: convert_stage), its rows past the item's end zeroed.
+  __device__ static void convert_stage(converted_block& dst, const input_block& src, const globals&, const task_t& t,
+                                       int it, int thread, int threads) {
+    const int valid = t.end - (t.base + it * KV);
+    dequantize(dst.k, src.k, valid, thread, threads);
+    dequantize(dst.v, src.v, valid, thread, threads);
   }
 
   // Only the packed rows q_len * group hold queries (4 or 8 of the 64 at q_len 1 and GQA groups of 4 / 8): a warp
@@ -210,55 +200,44 @@ struct attn_decode_split {
                                                        row0, t.base + it * KV);
   }
 
-  __device__ static void compute_first(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
-                                       const task_t& t, int) {
+  __device__ static void compute_first(consumer_state& s, compute_block& in, scratch_block& scratch,
+                                       const globals& g, const task_t& t, int) {
     if constexpr (P.fp8_kv) load_descales(s, g, t);
     load_queries(scratch, g, t);
-    if constexpr (P.fp8_kv) {
-      dequantize(scratch.k, in.k, KV);
-      publish();
-    }
     s_tile att;
-    warpgroup::mm_ABt(att, scratch.q, k_operand(in, scratch));
+    warpgroup::mm_ABt(att, scratch.q, in.k);
     warpgroup::mma_async_wait<0>();
     softmax(s, att, g, t, 0);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    keep_v(s, in, scratch, t, 0);
+    s.v_prev = &in.v;
   }
 
   // Tile j: S_j and the previous tile's P V go out together; the softmax of S_j overlaps that P V.
-  // fp8: the K buffer is free (keep_v's barrier), and publishing K_j publishes V_{j-1} too.
-  __device__ static void compute(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
+  __device__ static void compute(consumer_state& s, compute_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int) {
-    if constexpr (P.fp8_kv) {
-      dequantize(scratch.k, in.k, KV);
-      publish();
-    }
     s_tile att;
-    warpgroup::mm_ABt(att, scratch.q, k_operand(in, scratch));
+    warpgroup::mm_ABt(att, scratch.q, in.k);
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
-    warpgroup::mma_AB(s.o, s.p, v_operand(s, scratch));
+    warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::mma_async_wait<1>();
     softmax(s, att, g, t, it);
     warpgroup::mma_async_wait<0>();
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    keep_v(s, in, scratch, t, it);
+    s.v_prev = &in.v;
   }
 
   // Before the last P V: the tile's rows past the item's end are masked (P = 0), but at the sequence's end
   // they hold whatever the page held before, and 0 * NaN is NaN in P V, so they are zeroed first.
-  // (fp8: keep_v zeroed them in the V buffer, which is published here.)
-  __device__ static void drain(consumer_state& s, scratch_block& scratch, const globals&, const task_t& t, int) {
-    if constexpr (P.fp8_kv) {
-      publish();
-    } else {
+  // (fp8: convert zeroed them.)
+  __device__ static void drain(consumer_state& s, scratch_block&, const globals&, const task_t& t, int) {
+    if constexpr (!P.fp8_kv) {
       const int tail = t.end - (t.base + (t.iters - 1) * KV);
       if (tail < KV) warpgroup::zero_rows(s.v_prev->ref(), tail, 1);
     }
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
-    warpgroup::mma_AB(s.o, s.p, v_operand(s, scratch));
+    warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     wgmma::fence_operand(s.p);
   }
 

@@ -14,16 +14,20 @@ struct policy {
   // The head dim is below the tile's: the caches' columns are run-time sizes (TMA zero-fills the tile's extra
   // columns), queries load and outputs store only the head dim's columns; partials keep the tile's.
   bool ragged_head_dim = false;
-  // The caches hold float8_e4m3fn: the ring holds their 1-byte tiles, which the consumer converts to fp16 buffers of
-  // its own before each product (dequant.cuh; the queries load as fp16 too), and the descales scale the scores and
-  // the output rows. A ring stage is free once converted (release lag 0).
+  // The caches hold float8_e4m3fn: the ring holds their 1-byte tiles, which the producer warpgroup's other warps
+  // convert into `converted_stages` fp16 tiles (lcsf's converted ring, dequant.cuh) for the consumer, whose queries
+  // load as fp16 too; the descales scale the scores and the output rows.
   bool fp8_kv = false;
+  int converted_stages = 0;
 };
 using tk::attn::tile_head_dim, tk::attn::with_ragged_head_dim, tk::attn::with_sinks;
-// fp8 tiles are half the bytes: the ring takes `stages` of them in what the fp16 buffers leave of shared memory.
-constexpr policy with_fp8_kv(policy p, int stages) {
+// fp8 tiles are half the bytes: the ring takes `stages` of them in what the converted ring leaves of shared memory.
+// The consumer holds two converted stages (K_j, and V_{j-1} until P V is done), so three let the converting warps
+// work one tile ahead.
+constexpr policy with_fp8_kv(policy p, int stages, int converted_stages = 3) {
   p.fp8_kv = true;
   p.stages = stages;
+  p.converted_stages = converted_stages;
   return p;
 }
 inline constexpr policy d64{.head_dim = 64, .kv_rows = 128, .stages = 6};
@@ -32,11 +36,11 @@ inline constexpr policy d128{.head_dim = 128, .kv_rows = 128, .stages = 3};
 // pieces stream faster, long ones slower (decode_plan.kv_tile picks: attn_decode_problem::kv_tile).
 inline constexpr policy d128_kv64{.head_dim = 128, .kv_rows = 64, .stages = 6};
 inline constexpr policy d256{.head_dim = 256, .kv_rows = 48, .stages = 3};
-// Over FP8 caches (decode_fp8.cu): the same tiles, more stages.
-inline constexpr policy d64_fp8 = with_fp8_kv(d64, 10);
-inline constexpr policy d128_fp8 = with_fp8_kv(d128, 4);
-inline constexpr policy d128_kv64_fp8 = with_fp8_kv(d128_kv64, 10);
-inline constexpr policy d256_fp8 = with_fp8_kv(d256, 5);
+// Over FP8 caches (decode_fp8.cu): the same tiles, in 6 raw stages (2 at D=256) beside 3 converted ones. D=128
+// takes 64-key tiles at every plan: three converted 128-key stages and a raw one do not fit.
+inline constexpr policy d64_fp8 = with_fp8_kv(d64, 6);
+inline constexpr policy d128_kv64_fp8 = with_fp8_kv(d128_kv64, 6);
+inline constexpr policy d256_fp8 = with_fp8_kv(d256, 2);
 
 // Where a CTA's range of the static schedule comes from. A kernel that can work it out carries the scheduling code,
 // whose presence alone slowed the other modes, so each mode has its own kernel.

@@ -30,6 +30,11 @@
 //                                            throughout a task, kept in scratch (the kernel hands them back itself)
 //   own_iters(g, t, c) -> int, sit_out(c)    the consumer computes only the task's first own_iters stages (drain
 //                                            after the last) and sits out the rest: waits for each, sit_out, frees it
+//   converted_stages, converted_block,       a second ring between the producer and the consumers: the producer
+//   convert_stage(dst, src, g, t, it, th, n) warpgroup's other three warps turn each landed stage into a
+//                                            converted_block (e.g. FP8 tiles into fp16), free the raw stage, and the
+//                                            consumers compute on the converted one (compute's input_block& is then
+//                                            a converted_block&). Strided walks, no clusters, no staggered pairs.
 // compute may leave its wgmma groups in flight: the template retires them `release_lag` stages late and only then
 // frees the stage.
 #pragma once
@@ -108,6 +113,13 @@ template <typename K> consteval bool early_next() { return options_of<K>().chain
 template <typename K> consteval bool dynamic_tasks() { return options_of<K>().walk == task_walk::claimed; }
 template <typename K> consteval bool fed_tasks() { return options_of<K>().walk == task_walk::fed; }
 template <typename K> consteval bool prefetch_tasks() { return options_of<K>().walk == task_walk::prefetched; }
+template <typename K> consteval int converted_stages() {
+  if constexpr (requires { K::converted_stages; }) return K::converted_stages;
+  else return 0;
+}
+template <typename K> consteval bool converts() { return converted_stages<K>() > 0; }
+// The warps that convert (converts<K>): the producer warpgroup's warps 1-3, beside the one thread that loads.
+inline constexpr int CONVERTER_WARPS = WARPGROUP_WARPS - 1;
 inline constexpr int FEED = 8;  // fed tasks in flight
 // A warp's copy of a shared-memory object as lane 0 reads it, in registers the compiler knows are warp-uniform.
 template <typename T> __device__ __forceinline__ T warp_uniform_copy(const T& src) {
@@ -127,15 +139,23 @@ __device__ __forceinline__ int next_id(const typename K::globals& g, const typen
   else return id + step;
 }
 // The producer's registers: 40 beside two consumers; beside three, 32 (3 x 160 + 32 fill the file exactly, so
-// the consumers keep 160; 24 made the paged loads' page lookups spill).
-template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 32 : 40;
+// the consumers keep 160; 24 made the paged loads' page lookups spill). Converting warps keep a stage's units in
+// flight: 64 beside one consumer.
+template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 32 : converts<K>() ? 64 : 40;
 // What is left of the 64K-register file, split over the consumers (at most 240 a thread).
 template <kernel_policy K> constexpr int consumer_registers =
     std::min(240, ((65536 / WARPGROUP_THREADS - producer_registers<K>) / K::consumers) / 8 * 8);
 
-template <kernel_policy K> struct alignas(1024) shared_layout {
+template <kernel_policy K, bool = converts<K>()> struct alignas(1024) shared_layout {
   typename K::input_block ring[K::stages];
   typename K::scratch_block scratch;
+};
+// With a converted ring: its stages (1024-aligned like the ring's) and its semaphores.
+template <kernel_policy K> struct alignas(1024) shared_layout<K, true> {
+  typename K::input_block ring[K::stages];
+  typename K::converted_block converted[converted_stages<K>()];
+  typename K::scratch_block scratch;
+  semaphore converted_full[converted_stages<K>()], converted_empty[converted_stages<K>()];
 };
 template <kernel_policy K> constexpr size_t shared_bytes = sizeof(shared_layout<K>) + 1024;  // + alignment slack
 
@@ -159,11 +179,26 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   static_assert(!dynamic_tasks<K>() || cluster == 1, "dynamic tasks are claimed per CTA: no clusters");
   static_assert(!staggered_pairs<K>() || (K::stages % 2 == 0 && release_lag<K>() == 1),
                 "staggered pairs: an even number of stages (A in even slots), release lag 1");
+  static_assert(!converts<K>() || (cluster == 1 && !staggered_pairs<K>() && !dynamic_tasks<K>() && !fed_tasks<K>() &&
+                                   !prefetch_tasks<K>()),
+                "a converted ring: strided walks on single CTAs, one slot a step");
+  // The consumers' ring: the converted one where there is one, else the ring itself.
+  constexpr int cstages = converts<K>() ? converted_stages<K>() : K::stages;
+  semaphore *cfull = full, *cempty = empty;
+  auto* cring = [&] {
+    if constexpr (converts<K>()) return smem.converted;
+    else return smem.ring;
+  }();
+  if constexpr (converts<K>()) cfull = smem.converted_full, cempty = smem.converted_empty;
   if (threadIdx.x == 0) {
     for (int s = 0; s < K::stages; s++) {
-      init_semaphore(full[s], 1);                                          // the producer's expect_bytes
-      init_semaphore(empty[s], cluster * K::consumers * WARPGROUP_WARPS);  // every consumer warp of the cluster
+      init_semaphore(full[s], 1);  // the producer's expect_bytes
+      // every consumer warp of the cluster, or every converting warp
+      init_semaphore(empty[s], converts<K>() ? CONVERTER_WARPS : cluster * K::consumers * WARPGROUP_WARPS);
     }
+    if constexpr (converts<K>())
+      for (int s = 0; s < cstages; s++)
+        init_semaphore(cfull[s], CONVERTER_WARPS), init_semaphore(cempty[s], K::consumers * WARPGROUP_WARPS);
     if constexpr (dynamic_tasks<K>())
       for (int s = 0; s < 2; s++) init_semaphore(feed_full[s], 1), init_semaphore(feed_empty[s], K::consumers * WARPGROUP_WARPS);
     if constexpr (fed_tasks<K>())
@@ -223,6 +258,25 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         for (int id = first; id < num_tasks;) id = next_id<K>(g, load_task(id), id, step);
       }
       if constexpr (early_next<K>()) chain::allow_next();  // every load sent: the next kernel may set up
+    } else if constexpr (converts<K>()) {
+      if (warpgroup::warp() > 0) {  // warps 1-3 walk the same tasks, converting each landed stage
+        const int thread = warpgroup::thread() - WARP_THREADS;
+        int stage = 0, phase = 0, cstage = 0, cphase = 0;
+        for (int id = first; id < num_tasks;) {
+          const typename K::task_t t = K::task(g, id, rank);
+          for (int it = 0; it < t.iters; it++) {
+            wait(full[stage], phase);
+            wait(cempty[cstage], cphase ^ 1);  // a fresh ring passes at once
+            K::convert_stage(cring[cstage], smem.ring[stage], g, t, it, thread, CONVERTER_WARPS * WARP_THREADS);
+            fence_async_shared();  // the converted tile, for the consumers' wgmma (async proxy)
+            __syncwarp();          // the warp's lanes have read the raw stage and written their part
+            if (laneid() == 0) arrive(empty[stage]), arrive(cfull[cstage]);
+            if (++stage == K::stages) stage = 0, phase ^= 1;
+            if (++cstage == cstages) cstage = 0, cphase ^= 1;
+          }
+          id = next_id<K>(g, t, id, step);
+        }
+      }
     }
   } else {  // consumer `role`
     warpgroup::increase_registers<consumer_registers<K>>();
@@ -233,14 +287,14 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       if (laneid() == 0) {
         if constexpr (cluster > 1) {
 #pragma unroll
-          for (int cta = 0; cta < cluster; cta++) arrive_remote(empty[s], cta);
+          for (int cta = 0; cta < cluster; cta++) arrive_remote(cempty[s], cta);
         } else {
-          arrive(empty[s]);
+          arrive(cempty[s]);
         }
       }
     };
     auto step_stage = [&](auto&& compute_it) {
-      wait(full[stage], phase);
+      wait(cfull[stage], phase);
       compute_it();
       warpgroup::mma_async_wait<release_lag<K>()>();  // lag 1: the previous stage's products are done with it
     };
@@ -250,29 +304,29 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       int b = 0, b_phase = 0;
       auto advance = [&] {
         b = stage + 1, b_phase = phase;  // B_j, for the next step
-        if ((stage += 2) == K::stages) stage = 0, phase ^= 1;
+        if ((stage += 2) == cstages) stage = 0, phase ^= 1;
       };
       if (steps > 0) {
-        wait(full[stage], phase);
-        if constexpr (requires { K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role); })
-          K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role);
+        wait(cfull[stage], phase);
+        if constexpr (requires { K::compute_first(state, cring[stage], smem.scratch, g, t, role); })
+          K::compute_first(state, cring[stage], smem.scratch, g, t, role);
         else
-          K::compute(state, smem.ring[stage], smem.scratch, g, t, 0, role);
+          K::compute(state, cring[stage], smem.scratch, g, t, 0, role);
         warpgroup::mma_async_wait<1>();
         release(stage);
         advance();
       }
       for (int j = 1; j < steps; j++) {
-        wait(full[stage], phase);
-        wait(full[b], b_phase);
-        K::compute(state, smem.ring[stage], smem.scratch, g, t, j, role);
+        wait(cfull[stage], phase);
+        wait(cfull[b], b_phase);
+        K::compute(state, cring[stage], smem.scratch, g, t, j, role);
         warpgroup::mma_async_wait<1>();
         release(stage);
         release(b);
         advance();
       }
       if (steps > 0) {
-        wait(full[b], b_phase);
+        wait(cfull[b], b_phase);
         if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
           K::drain(state, smem.scratch, g, t, role);
       }
@@ -294,21 +348,21 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       // (the compiler cannot tell that `it` is uniform and would serialize the products otherwise).
       if (own > 0) {
         step_stage([&] {
-          if constexpr (requires { K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role); })
-            K::compute_first(state, smem.ring[stage], smem.scratch, g, t, role);
+          if constexpr (requires { K::compute_first(state, cring[stage], smem.scratch, g, t, role); })
+            K::compute_first(state, cring[stage], smem.scratch, g, t, role);
           else
-            K::compute(state, smem.ring[stage], smem.scratch, g, t, 0, role);
+            K::compute(state, cring[stage], smem.scratch, g, t, 0, role);
         });
         if constexpr (release_lag<K>() == 0) release(stage);
         previous = stage;
-        if (++stage == K::stages) stage = 0, phase ^= 1;
+        if (++stage == cstages) stage = 0, phase ^= 1;
       }
       for (int it = 1; it < own; it++) {
-        step_stage([&] { K::compute(state, smem.ring[stage], smem.scratch, g, t, it, role); });
+        step_stage([&] { K::compute(state, cring[stage], smem.scratch, g, t, it, role); });
         if constexpr (release_lag<K>() == 0) release(stage);
         else release(previous);
         previous = stage;
-        if (++stage == K::stages) stage = 0, phase ^= 1;
+        if (++stage == cstages) stage = 0, phase ^= 1;
       }
       if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
         if (own > 0) K::drain(state, smem.scratch, g, t, role);
@@ -317,10 +371,10 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       if constexpr (requires { K::own_iters(g, t, role); }) {
 #pragma unroll 1
         for (int it = own; it < t.iters; it++) {
-          wait(full[stage], phase);
+          wait(cfull[stage], phase);
           K::sit_out(role);
           release(stage);
-          if (++stage == K::stages) stage = 0, phase ^= 1;
+          if (++stage == cstages) stage = 0, phase ^= 1;
         }
       }
       K::finish(state, smem.scratch, g, t, role);
