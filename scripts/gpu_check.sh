@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build against the host's torch, run the GPU tests, benchmark, collect logs in $OUT.
-#   scripts/gpu_check.sh [build] [prims] [tests] [test:PATH[ ARGS]] [sanitize] [bench:FAMILY] [env:VAR=VALUE] [run:CMD] ...
+#   scripts/gpu_check.sh [build] [prims] [tests] [test:PATH[ ARGS]] [sanitize] [sanitize:TOOL:FILES[ ARGS]]
+#                        [bench:FAMILY] [env:VAR=VALUE] [run:CMD] ...
 #   (default: build prims tests bench:gemm)
 # Prints a short summary last; full logs and bench/results/h200.json land in $OUT.
 set -uo pipefail
@@ -28,6 +29,14 @@ for step in "${steps[@]}"; do
     sanitize)
       timeout -k 10 600 compute-sanitizer --tool memcheck --target-processes all python3 -m pytest -q -x tests/gpu/test_gemm.py -k "not compile" \
         >"$OUT/sanitize.log" 2>&1; rc=$?; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitize.log" | tail -3 ;;
+    # sanitize:TOOL[:FILES] [sanitize.py args], e.g. "sanitize:memcheck:fast --resume", "sanitize:racecheck:decode":
+    # each file its own compute-sanitizer run within --max-seconds (540 unless given; less when steps share the call)
+    sanitize:*) read -ra sanitize_args <<< "${step#sanitize:}"
+      spec=${sanitize_args[0]}; files=()
+      [[ $spec == *:* ]] && files=(--files "${spec#*:}")
+      timeout -k 10 600 python3 scripts/sanitize.py --tool "${spec%%:*}" "${files[@]}" --log "$OUT/sanitizer.log" \
+        "${sanitize_args[@]:1}" 2>&1; rc=$?
+      cp bench/results/sanitizer.json "$OUT/sanitizer.json" 2>/dev/null ;;
     bench:*)
       timeout -k 10 900 python3 scripts/bench.py --family "${step#bench:}" 2>&1 | tee -a "$OUT/bench.log" | tail -30; rc=${PIPESTATUS[0]}
       cp bench/results/h200.json "$OUT/h200.json" 2>/dev/null ;;
