@@ -19,11 +19,12 @@ __device__ __forceinline__ uint2 e4m3x4_to_half(uint32_t x) {
 }
 
 // dst = src in fp16, rows at or past `valid_rows` zeroed (a tile's rows past a sequence's end hold whatever the
-// page held: e4m3 NaNs give NaN in P V even where P is 0), by threads [0, threads) of the caller (`thread` each).
-// Each thread reads up to four units before it converts and writes them, so the shared loads are in flight together.
-template <typename Dst, typename Src>
-__device__ __forceinline__ void dequantize(const Dst& dst_tile, const Src& src_tile, int valid_rows, int thread,
-                                           int threads) {
+// page held: e4m3 NaNs give NaN in P V even where P is 0), by THREADS threads of the caller (`thread` each).
+// A thread keeps its positions in an 8-row swizzle atom for the whole tile: the swizzle repeats every 8 rows, so its
+// units lie a whole atom's bytes apart, and their addresses are one computed address plus constants (a unit's
+// address worked out from its index cost ~70 instructions a unit, which made the conversion the kernel's bottleneck).
+template <int THREADS, typename Dst, typename Src>
+__device__ __forceinline__ void dequantize(const Dst& dst_tile, const Src& src_tile, int valid_rows, int thread) {
   const auto dst = as_ref(dst_tile);
   const auto src = as_ref(src_tile);
   using D = decltype(dst);
@@ -31,26 +32,40 @@ __device__ __forceinline__ void dequantize(const Dst& dst_tile, const Src& src_t
   static_assert(std::is_same_v<typename S::dtype, fp8e4m3> && std::is_same_v<typename D::dtype, half>,
                 "dequantize: an fp8e4m3 tile into an fp16 one");
   static_assert(S::rows == D::rows && S::cols == D::cols, "dequantize: both tiles have the same shape");
-  constexpr int units_per_row = S::cols / 16, units = S::rows * units_per_row, batch = 4;
-#pragma unroll 1
-  for (int u0 = thread; u0 < units; u0 += batch * threads) {
-    uint4 x[batch];
+  constexpr int U = S::cols / 16, ATOM = 8 * U, ATOMS = S::rows / 8;  // units a row, an atom; atoms a tile
+  // The threads that work: whole atoms' worth of them (each a position in one atom of every ATOM_STEP-th), or, for
+  // atoms wider than THREADS, 64 of them with ATOM / 64 positions in every atom.
+  constexpr bool whole = ATOM <= THREADS;
+  constexpr int USED = whole ? THREADS / ATOM * ATOM : 64, PER_ATOM = whole ? 1 : ATOM / USED;
+  constexpr int ATOM_STEP = whole ? USED / ATOM : 1, TRIPS = (ATOMS + ATOM_STEP - 1) / ATOM_STEP;
+  static_assert(whole || ATOM % USED == 0, "dequantize: atoms split evenly over the threads");
+  constexpr uint32_t src_atom = 8 * S::swizzle_bytes, dst_atom = 8 * D::swizzle_bytes;  // bytes an atom
+  if (thread >= USED) return;
+  const int first = whole ? thread / ATOM : 0;
+  const auto run = [&](auto check_rows) {
 #pragma unroll
-    for (int i = 0; i < batch; i++) {
-      const int u = u0 + i * threads;
-      if (u < units) x[i] = detail::ld_shared_16B<fp8e4m3>(src.addr(u / units_per_row, (u % units_per_row) * 16));
-    }
+    for (int j = 0; j < PER_ATOM; j++) {
+      const int pos = whole ? thread % ATOM : thread + j * USED, r = pos / U, c = (pos % U) * 16;
+      const uint32_t s0 = src.addr(r, c), d0 = dst.addr(r, c), d1 = dst.addr(r, c + 8);
+      uint4 x[TRIPS];  // every load first: a store might alias a later load's address for all the compiler knows
 #pragma unroll
-    for (int i = 0; i < batch; i++) {
-      const int u = u0 + i * threads, r = u / units_per_row, c = (u % units_per_row) * 16;
-      if (u >= units) break;
-      if (r >= valid_rows) x[i] = uint4{0, 0, 0, 0};
-      const uint2 a = e4m3x4_to_half(x[i].x), b = e4m3x4_to_half(x[i].y);
-      const uint2 e = e4m3x4_to_half(x[i].z), f = e4m3x4_to_half(x[i].w);
-      detail::st_shared_16B(dst.addr(r, c), uint4{a.x, a.y, b.x, b.y});
-      detail::st_shared_16B(dst.addr(r, c + 8), uint4{e.x, e.y, f.x, f.y});
+      for (int a = 0; a < TRIPS; a++)
+        if (ATOMS % ATOM_STEP == 0 || first + a * ATOM_STEP < ATOMS)
+          x[a] = detail::ld_shared_16B<fp8e4m3>(s0 + (first + a * ATOM_STEP) * src_atom);
+#pragma unroll
+      for (int a = 0; a < TRIPS; a++) {
+        const int atom = first + a * ATOM_STEP;
+        if (ATOMS % ATOM_STEP != 0 && atom >= ATOMS) break;
+        if (decltype(check_rows)::value && 8 * atom + r >= valid_rows) x[a] = uint4{0, 0, 0, 0};
+        const uint2 lo = e4m3x4_to_half(x[a].x), hi = e4m3x4_to_half(x[a].y);
+        const uint2 lo2 = e4m3x4_to_half(x[a].z), hi2 = e4m3x4_to_half(x[a].w);
+        detail::st_shared_16B(d0 + atom * dst_atom, uint4{lo.x, lo.y, hi.x, hi.y});
+        detail::st_shared_16B(d1 + atom * dst_atom, uint4{lo2.x, lo2.y, hi2.x, hi2.y});
+      }
     }
-  }
+  };
+  if (valid_rows >= S::rows) run(std::false_type{});
+  else run(std::true_type{});
 }
 
 // Eight 16-bit values (a 16-byte unit) as fp16: queries of either type feed the fp16 products.
