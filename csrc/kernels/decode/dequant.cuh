@@ -19,14 +19,12 @@ __device__ __forceinline__ uint2 e4m3x4_to_half(uint32_t x) {
 }
 
 // dst = src in fp16, rows at or past `valid_rows` zeroed (a tile's rows past a sequence's end hold whatever the
-// page held: e4m3 NaNs give NaN in P V even where P is 0), by WARPS warps of the caller (`warp` each).
-// A warp converts a slice of 32 units (16 e4m3 values each) at a time, slices WARPS apart. The swizzle repeats
-// every 8 rows, so a lane's unit in slice h lies at one of PHASES addresses worked out once plus h's whole atoms:
-// no per-unit address arithmetic (working each unit's address out from its index cost ~70 instructions a unit).
-// Every warp of the caller's warps takes part: F2FP issues at a quarter rate, so a warp a sub-partition counts.
-template <int WARPS, typename Dst, typename Src>
-__device__ __forceinline__ void dequantize(const Dst& dst_tile, const Src& src_tile, int valid_rows, int warp,
-                                           int lane) {
+// page held: e4m3 NaNs give NaN in P V even where P is 0), by THREADS threads of the caller (`thread` each).
+// A thread keeps its positions in an 8-row swizzle atom for the whole tile: the swizzle repeats every 8 rows, so its
+// units lie a whole atom's bytes apart, and their addresses are one computed address plus constants (a unit's
+// address worked out from its index cost ~70 instructions a unit, which made the conversion the kernel's bottleneck).
+template <int THREADS, typename Dst, typename Src>
+__device__ __forceinline__ void dequantize(const Dst& dst_tile, const Src& src_tile, int valid_rows, int thread) {
   const auto dst = as_ref(dst_tile);
   const auto src = as_ref(src_tile);
   using D = decltype(dst);
@@ -34,37 +32,36 @@ __device__ __forceinline__ void dequantize(const Dst& dst_tile, const Src& src_t
   static_assert(std::is_same_v<typename S::dtype, fp8e4m3> && std::is_same_v<typename D::dtype, half>,
                 "dequantize: an fp8e4m3 tile into an fp16 one");
   static_assert(S::rows == D::rows && S::cols == D::cols, "dequantize: both tiles have the same shape");
-  constexpr int U = S::cols / 16, SLICE_ROWS = WARP_THREADS / U, PHASES = 8 / SLICE_ROWS;
-  static_assert(WARP_THREADS % U == 0 && SLICE_ROWS <= 8 && 8 % SLICE_ROWS == 0 && S::rows % SLICE_ROWS == 0,
-                "dequantize: a warp's slice is whole rows within one 8-row swizzle atom");
-  constexpr int SLICES = S::rows / SLICE_ROWS, TRIPS = (SLICES + WARPS - 1) / WARPS;
+  constexpr int U = S::cols / 16, ATOM = 8 * U, ATOMS = S::rows / 8;  // units a row, an atom; atoms a tile
+  // The threads that work: whole atoms' worth of them (each a position in one atom of every ATOM_STEP-th), or, for
+  // atoms wider than THREADS, 64 of them with ATOM / 64 positions in every atom.
+  constexpr bool whole = ATOM <= THREADS;
+  constexpr int USED = whole ? THREADS / ATOM * ATOM : 64, PER_ATOM = whole ? 1 : ATOM / USED;
+  constexpr int ATOM_STEP = whole ? USED / ATOM : 1, TRIPS = (ATOMS + ATOM_STEP - 1) / ATOM_STEP;
+  static_assert(whole || ATOM % USED == 0, "dequantize: atoms split evenly over the threads");
   constexpr uint32_t src_atom = 8 * S::swizzle_bytes, dst_atom = 8 * D::swizzle_bytes;  // bytes an atom
-  const int lane_row = lane / U, c = (lane % U) * 16;
-  // k: the phase of this warp's slices warp + k (mod PHASES), i.e. of its trips i with WARPS * i = k (mod PHASES)
-  uint32_t s0[PHASES], d0[PHASES], d1[PHASES];
-#pragma unroll
-  for (int k = 0; k < PHASES; k++) {
-    const int r = (warp + k) % PHASES * SLICE_ROWS + lane_row;
-    s0[k] = src.addr(r, c), d0[k] = dst.addr(r, c), d1[k] = dst.addr(r, c + 8);
-  }
+  if (thread >= USED) return;
+  const int first = whole ? thread / ATOM : 0;
   const auto run = [&](auto check_rows) {
-    uint4 x[TRIPS];  // every load first: a store might alias a later load's address for all the compiler knows
 #pragma unroll
-    for (int i = 0; i < TRIPS; i++) {
-      const int h = warp + WARPS * i;
-      if (SLICES % WARPS == 0 || h < SLICES)
-        x[i] = detail::ld_shared_16B<fp8e4m3>(s0[WARPS * i % PHASES] + uint32_t(h / PHASES) * src_atom);
-    }
+    for (int j = 0; j < PER_ATOM; j++) {
+      const int pos = whole ? thread % ATOM : thread + j * USED, r = pos / U, c = (pos % U) * 16;
+      const uint32_t s0 = src.addr(r, c), d0 = dst.addr(r, c), d1 = dst.addr(r, c + 8);
+      uint4 x[TRIPS];  // every load first: a store might alias a later load's address for all the compiler knows
 #pragma unroll
-    for (int i = 0; i < TRIPS; i++) {
-      const int h = warp + WARPS * i;
-      if (SLICES % WARPS != 0 && h >= SLICES) break;
-      if (decltype(check_rows)::value && h * SLICE_ROWS + lane_row >= valid_rows) x[i] = uint4{0, 0, 0, 0};
-      const uint2 lo = e4m3x4_to_half(x[i].x), hi = e4m3x4_to_half(x[i].y);
-      const uint2 lo2 = e4m3x4_to_half(x[i].z), hi2 = e4m3x4_to_half(x[i].w);
-      const uint32_t at = uint32_t(h / PHASES) * dst_atom;
-      detail::st_shared_16B(d0[WARPS * i % PHASES] + at, uint4{lo.x, lo.y, hi.x, hi.y});
-      detail::st_shared_16B(d1[WARPS * i % PHASES] + at, uint4{lo2.x, lo2.y, hi2.x, hi2.y});
+      for (int a = 0; a < TRIPS; a++)
+        if (ATOMS % ATOM_STEP == 0 || first + a * ATOM_STEP < ATOMS)
+          x[a] = detail::ld_shared_16B<fp8e4m3>(s0 + (first + a * ATOM_STEP) * src_atom);
+#pragma unroll
+      for (int a = 0; a < TRIPS; a++) {
+        const int atom = first + a * ATOM_STEP;
+        if (ATOMS % ATOM_STEP != 0 && atom >= ATOMS) break;
+        if (decltype(check_rows)::value && 8 * atom + r >= valid_rows) x[a] = uint4{0, 0, 0, 0};
+        const uint2 lo = e4m3x4_to_half(x[a].x), hi = e4m3x4_to_half(x[a].y);
+        const uint2 lo2 = e4m3x4_to_half(x[a].z), hi2 = e4m3x4_to_half(x[a].w);
+        detail::st_shared_16B(d0 + atom * dst_atom, uint4{lo.x, lo.y, hi.x, hi.y});
+        detail::st_shared_16B(d1 + atom * dst_atom, uint4{lo2.x, lo2.y, hi2.x, hi2.y});
+      }
     }
   };
   if (valid_rows >= S::rows) run(std::false_type{});

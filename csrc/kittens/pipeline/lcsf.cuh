@@ -140,8 +140,8 @@ __device__ __forceinline__ int next_id(const typename K::globals& g, const typen
 }
 // The producer's registers: 40 beside two consumers; beside three, 32 (3 x 160 + 32 fill the file exactly, so
 // the consumers keep 160; 24 made the paged loads' page lookups spill). Converting warps keep a stage's units in
-// flight: 128 beside one consumer (which keeps 240; fewer spilled at D=256).
-template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 32 : converts<K>() ? 128 : 40;
+// flight: 96 beside one consumer (which keeps 240; 64 spilled at D=256).
+template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 32 : converts<K>() ? 96 : 40;
 // What is left of the 64K-register file, split over the consumers (at most 240 a thread).
 template <kernel_policy K> constexpr int consumer_registers =
     std::min(240, ((65536 / WARPGROUP_THREADS - producer_registers<K>) / K::consumers) / 8 * 8);
