@@ -124,6 +124,52 @@ cudaError_t run_mma(const void* a, const void* b, void* d) {
   return e != cudaSuccess ? e : cudaDeviceSynchronize();
 }
 
+// e4m3 x e4m3: A 64 x K and B N x K, both K-major in shared memory (mm_ABt), fp32 out.
+template <int N, int K>
+struct mma8_case {
+  using a_tile = st<fp8e4m3, 64, K>;
+  using b_tile = st<fp8e4m3, N, K>;
+  struct globals {
+    gl<fp8e4m3, 1, 1, RUNTIME, RUNTIME, a_tile> a;
+    gl<fp8e4m3, 1, 1, RUNTIME, RUNTIME, b_tile> b;
+    gl<float, 1, 1, RUNTIME, RUNTIME> d;
+  };
+  struct smem_t { a_tile a; b_tile b; };
+};
+
+template <int N, int K>
+__global__ void __launch_bounds__(128) mma8_kernel(const __grid_constant__ typename mma8_case<N, K>::globals g) {
+  using P = mma8_case<N, K>;
+  extern __shared__ uint8_t raw[];
+  auto& s = *reinterpret_cast<typename P::smem_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  __shared__ semaphore loaded;
+  if (threadIdx.x == 0) { init_semaphore(loaded, 1); fence_semaphore_init(); }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    expect_bytes(loaded, tma::bytes<typename P::a_tile>() + tma::bytes<typename P::b_tile>());
+    tma::load_async(s.a, g.a, {}, loaded);
+    tma::load_async(s.b, g.b, {}, loaded);
+  }
+  wait(loaded, 0);
+  rt_fl<16, N> d;
+  warpgroup::mm_ABt(d, s.a, s.b);
+  warpgroup::mma_async_wait<0>();
+  warpgroup::store(g.d, d, {});
+}
+
+template <int N, int K>
+cudaError_t run_mma8(const void* a, const void* b, void* d) {
+  using P = mma8_case<N, K>;
+  typename P::globals g{.a = {(fp8e4m3*)a, {1, 1, 64, K}}, .b = {(fp8e4m3*)b, {1, 1, N, K}},
+                        .d = {(float*)d, {1, 1, 64, N}}};
+  const int smem = sizeof(typename P::smem_t) + 1024;
+  auto* fn = &mma8_kernel<N, K>;
+  cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  fn<<<1, 128, smem>>>(g);
+  cudaError_t e = cudaGetLastError();
+  return e != cudaSuccess ? e : cudaDeviceSynchronize();
+}
+
 // ---- maps, reductions, broadcasts, masks on one warp's 32 x 64 fp32 tile -------------------------
 // out rows: [0] x - row_max(x) then exp2, [1] row_sum(x) broadcast, [2] col_sum(x) broadcast, [3] tril(x),
 // [4] (row layout only) mask_cols(x) at offset (3, 5), keeping columns [row - 8, row + 20] of each row,
@@ -233,6 +279,18 @@ int tk_prim_mma(int n, int variant, const void* a, const void* b, void* d) {
       case 4: return run_mma<N, 64, false, false, true>(a, b, d);        \
       case 5: return run_mma<N, 64, true, false, false, true>(a, b, d);  \
     }
+  TK_CASE(16) TK_CASE(64) TK_CASE(128) TK_CASE(256)
+#undef TK_CASE
+  return int(cudaErrorInvalidValue);
+}
+
+// e4m3 A (64 x k) times B^T (B: n x k), k 64 or 128
+int tk_prim_mma8(int n, int k, const void* a, const void* b, void* d) {
+#define TK_CASE(N)                                   \
+  if (n == N) {                                      \
+    if (k == 64) return run_mma8<N, 64>(a, b, d);    \
+    if (k == 128) return run_mma8<N, 128>(a, b, d);  \
+  }
   TK_CASE(16) TK_CASE(64) TK_CASE(128) TK_CASE(256)
 #undef TK_CASE
   return int(cudaErrorInvalidValue);

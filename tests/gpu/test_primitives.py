@@ -37,7 +37,7 @@ def prims():
                "-shared", "-Xcompiler", "-fPIC", "-o", str(lib_path), str(SOURCE)]
         subprocess.run(cmd, check=True)
     lib = ctypes.CDLL(str(lib_path))
-    for fn in (lib.tk_prim_roundtrip, lib.tk_prim_mma, lib.tk_prim_maps, lib.tk_prim_handoff):
+    for fn in (lib.tk_prim_roundtrip, lib.tk_prim_mma, lib.tk_prim_mma8, lib.tk_prim_maps, lib.tk_prim_handoff):
         fn.restype = ctypes.c_int
     return lib
 
@@ -100,6 +100,20 @@ def test_wgmma_leading_columns(prims, n):
     ref = a[:, :32].double() @ b[:32].double()
     err = ((d.double() - ref).norm() / ref.norm()).item()
     assert err < 1e-5, f"wgmma leading 32 of 64 columns N={n}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("n", [16, 64, 128, 256])
+@pytest.mark.parametrize("k", [64, 128])
+def test_wgmma_e4m3(prims, n, k):
+    """e4m3 x e4m3 wgmma (m64nNk32), A 64 x K and B N x K in shared memory: products of e4m3 values are exact in
+    fp32, so only the fp32 sum rounds."""
+    a = (4 * torch.randn(64, k, device="cuda")).to(torch.float8_e4m3fn)
+    b = (4 * torch.randn(n, k, device="cuda")).to(torch.float8_e4m3fn)
+    d = torch.full((64, n), float("nan"), device="cuda")
+    assert prims.tk_prim_mma8(n, k, _ptr(a), _ptr(b), _ptr(d)) == 0
+    ref = a.double() @ b.double().T
+    err = ((d.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-6, f"e4m3 wgmma N={n} K={k}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("col_layout", [False, True])

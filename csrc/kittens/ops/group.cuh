@@ -278,13 +278,16 @@ struct group {
     static_assert(!ALeading || (register_tile<A> && !BIsNK && K <= A::cols),
                   "mma_AB_leading: a register A of at least b's rows in columns");
     static_assert(std::is_same_v<typename A::dtype, T>, "wgmma: A and B must have the same element type");
-    static_assert(K % 16 == 0, "wgmma: the reduction dim must be a multiple of 16");
+    constexpr int KSTEP = 32 / int(sizeof(T));  // a k-step's elements: 16 of a 16-bit type, 32 of e4m3
+    static_assert(K % KSTEP == 0, "wgmma: the reduction dim must be a multiple of 16 (32 for e4m3)");
+    static_assert(sizeof(T) == 2 || (BIsNK && !register_tile<A> && !AIsKM && !ALeading),
+                  "e4m3 wgmma: mm_ABt / mma_ABt with A (64 x K) and B (N x K) in shared memory");
     if constexpr (BIsNK) static_assert(BR::rows == D::cols && BR::cols == K, "mma_ABt: b must be N x K");
     else static_assert(BR::rows == K && BR::cols == D::cols, "mma_AB: b must be K x N");
     wgmma::fence_operand(d);
     wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < K / 16; ks++) {
+    for (int ks = 0; ks < K / KSTEP; ks++) {
       const int scale_d = (Accumulate || ks > 0) ? 1 : 0;
       const uint64_t desc_b = wgmma::descriptor<BIsNK>(b, ks);
       if constexpr (register_tile<A>) {
