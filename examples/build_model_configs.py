@@ -22,9 +22,20 @@ tests/gpu/test_vllm_models.py) and the serve bench's full-size models (scripts/b
     gemma2-9b     Gemma-2-9B (Gemma2ForCausalLM): hidden 3584, 16 q / 8 kv heads of 256, MLP 14336, 42 layers,
                   logit soft caps 50 (attention) / 30 (final), a 4096-token sliding window on the even layers
                   (the odd ones full), 8192 positions, vocabulary 256000, tied embeddings
+    mamba2-2.7b   Mamba2-2.7B (Mamba2ForCausalLM): 64 Mamba-2 layers, hidden 2560, 80 heads of 64 (expand 2),
+                  state 128, 1 group, conv 4, chunk 256, vocabulary 50288, tied embeddings; no attention, no
+                  positions (vLLM takes any max_model_len)
+    nemotron-h-8b Nemotron-H-8B-Base-8K (NemotronHForCausalLM): 52 layers by hybrid_override_pattern (24 Mamba-2
+                  "M", 4 attention "*", 24 ReLU^2 MLP "-"), hidden 4096; Mamba-2: 128 heads of 64, state 128,
+                  8 groups, conv 4, chunk 128; attention: 32 q / 8 kv heads of 128, no rope; MLP 21504; 8192
+                  positions, vocabulary 131072
+    falcon-h1-1.5b Falcon-H1-1.5B (FalconH1ForCausalLM): 24 layers, each attention and Mamba-2 side by side, then
+                  an MLP; hidden 2048; attention: 8 q / 2 kv heads of 128; Mamba-2: 48 heads of 64 (d_ssm 3072),
+                  state 256, 1 group, conv 4; MLP 4608; 131072 positions, vocabulary 65537; the release's
+                  mu-P multipliers left at 1 (they scale activations, not shapes)
 
 --layers keeps the first N layers (a test's engines start in seconds instead of minutes); the per-layer pattern
-(gpt-oss's and Gemma-2's alternating windows) is kept. The configs are built with transformers' own config classes,
+(gpt-oss's and Gemma-2's alternating windows, Nemotron-H's hybrid_override_pattern) is kept. The configs are built with transformers' own config classes,
 so they are what `AutoConfig.from_pretrained` and vLLM read.
 """
 from __future__ import annotations
@@ -109,10 +120,53 @@ def gemma2_9b(layers: int) -> dict:
     )
 
 
+def mamba2_2_7b(layers: int) -> dict:
+    # state-spaces/mamba2-2.7b's d_model, n_layer, headdim, d_state, ngroups and padded vocabulary, in transformers'
+    # Mamba2Config names (the fields vLLM's mamba2.py reads; examples/build_tiny_mamba2.py lists them).
+    return dict(
+        architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=2560, num_hidden_layers=layers,
+        num_heads=80, head_dim=64, expand=2, state_size=128, n_groups=1, conv_kernel=4, chunk_size=256,
+        use_bias=False, use_conv_bias=True, hidden_act="silu", layer_norm_epsilon=1e-5, rms_norm=True,
+        residual_in_fp32=True, vocab_size=50288, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+
+
+# Nemotron-H-8B-Base-8K's layer pattern: M a Mamba-2 layer, * attention, - an MLP (52 layers).
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def nemotron_h_8b(layers: int) -> dict:
+    # transformers 5 reads the pattern into layers_block_type (its num_hidden_layers is the list's length);
+    # build() also writes the pattern and the layer count back, as the release's config.json has them.
+    return dict(
+        architectures=["NemotronHForCausalLM"], model_type="nemotron_h", hidden_size=4096,
+        hybrid_override_pattern=NEMOTRON_H_8B_PATTERN[:layers], intermediate_size=21504, mlp_hidden_act="relu2",
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, attention_bias=False, mlp_bias=False,
+        mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2,
+        chunk_size=128, use_conv_bias=True, use_bias=False, mamba_hidden_act="silu", layer_norm_epsilon=1e-5,
+        residual_in_fp32=False, max_position_embeddings=8192, vocab_size=131072, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )
+
+
+def falcon_h1_1_5b(layers: int) -> dict:
+    return dict(
+        architectures=["FalconH1ForCausalLM"], model_type="falcon_h1", hidden_size=2048, intermediate_size=4608,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=128, hidden_act="silu",
+        mamba_d_ssm=3072, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=256, mamba_n_groups=1, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=128, mamba_conv_bias=True, mamba_proj_bias=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1e11), max_position_embeddings=131072,
+        rms_norm_eps=1e-5, vocab_size=65537, bos_token_id=1, eos_token_id=11, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+
+
 # preset -> (config of `layers` layers, the release's layer count)
 PRESETS = {"phi3-mini": (phi3_mini, 32), "bge-base": (bge_base, 12), "gpt-oss-20b": (gpt_oss_20b, 24),
            "llama3.1-8b": (llama3_1_8b, 32), "llama3.2-1b": (llama3_2_1b, 16), "qwen2.5-7b": (qwen2_5_7b, 28),
-           "gemma2-9b": (gemma2_9b, 42)}
+           "gemma2-9b": (gemma2_9b, 42), "mamba2-2.7b": (mamba2_2_7b, 64), "nemotron-h-8b": (nemotron_h_8b, 52),
+           "falcon-h1-1.5b": (falcon_h1_1_5b, 24)}
 
 
 def config(preset: str, layers: int | None = None, **overrides):
@@ -137,7 +191,10 @@ def build(out_dir: str | Path, preset: str, layers: int | None = None, tokenizer
     what vLLM will not run without one (its pooling runner)."""
     out_dir = Path(out_dir)
     cfg = config(preset, layers, **overrides)
-    text = cfg.to_json_string(use_diff=False)
+    fields = json.loads(cfg.to_json_string(use_diff=False))
+    if cfg.model_type == "nemotron_h":  # the release's names too, for readers that predate layers_block_type
+        fields.update(hybrid_override_pattern=cfg.hybrid_override_pattern, num_hidden_layers=cfg.num_hidden_layers)
+    text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     path = out_dir / "config.json"
     if not path.exists() or json.loads(path.read_text()) != json.loads(text):
         out_dir.mkdir(parents=True, exist_ok=True)

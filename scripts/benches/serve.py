@@ -14,6 +14,13 @@ this family always made):
                   2047 on every Phi-3 layer) and all else are the release's.
     bge-base      a BERT embedding model (pooling runner; needs a tokenizer: a locally trained one, 4096 tokens, so
                   its prompts' ids stay below 4096); impls tk, flash_attn, triton_attn; 5 rounds; max_model_len 512
+    mamba2-2.7b   Mamba-2 models and hybrids, full size from a config.json alone (dummy weights, token-id prompts);
+    nemotron-h-8b impls tk (--attention-backend TK and TK's SSD: TK_MAMBA=1) and flash_attn (vLLM's default:
+    falcon-h1-1.5b FLASH_ATTN and Triton SSD: TK_MAMBA=0); 3 rounds; max_model_len 16384 (the prefill case's 8256
+                  tokens, rounded up; Nemotron-H built with 16384 positions), max_num_seqs 128 (the most sequences a
+                  case holds: every Mamba engine keeps a state for each of max_num_seqs at start-up). Their own
+                  cases (below); each run also records the worker's TK Mamba counters (tk_stats: the
+                  tk_backend.vllm.mamba STATS of the engine's worker process, read by collective_rpc)
 
 Cases, named `<model>_<kind>_<shape>` (the 4-layer model's keep their old names, with no model):
 
@@ -27,10 +34,19 @@ Cases, named `<model>_<kind>_<shape>` (the 4-layer model's keep their old names,
                  (uniform), 256 out, 8 req/s
     embed        1024 prompts of 64-512 tokens   requests/s of pooled embeddings (llm.embed; bge-base)
 
+The Mamba-2 models' cases (theirs alone):
+
+    prefill      32 x 8192 in, 64 out            output tok/s
+    decode       128 x 512 in, 512 out           output tok/s
+    prefix       64 x (a shared 4096-token       output tok/s, prefix caching on (enable_prefix_caching, both
+                 prefix + 512 distinct) in,      impls: engines of their own); the worker runs the first
+                 64 out                          prompt once, untimed, before the case's first run, so every
+                                                 timed run finds the prefix cached
+
 e.g. llama3.1-8b_prefill_128x2048in_32out, llama3.1-8b_decode_128x512in_512out_fp8,
-llama3.1-8b_online_256x128-2048in_256out_8rps, bge-base_embed_1024x64-512in. TK_SERVE_CASES=decode,long (kinds)
-or full case names picks among the selected models' cases; the default is every case of kind prefill, decode, long
-and embed. The fp8 and online cases run only when named: each needs engines of its own, and with them a GPU call
+llama3.1-8b_online_256x128-2048in_256out_8rps, bge-base_embed_1024x64-512in, nemotron-h-8b_prefix_64x4096+512in_64out.
+TK_SERVE_CASES=decode,long (kinds) or full case names picks among the selected models' cases; the default is every
+case of kind prefill, decode, long, prefix and embed. The fp8 and online cases run only when named: each needs engines of its own, and with them a GPU call
 of its own (below). --quick runs each model's decode (or embed) case. An unknown model, impl or case is refused
 before anything starts.
 
@@ -65,6 +81,20 @@ third (TK_SERVE_IMPLS=tk,flash_attn,triton_attn) of an 8B model may not fit, and
     llama3.2-1b    32 KiB      9 GiB                5 GiB           2 x 3            ~3 min; online ~6 min
     phi3-mini     384 KiB     40 GiB (capped)      40 GiB (capped)  2 x 3            ~4 min; online ~7 min
     bge-base       36 KiB      1 GiB (no cache: encoder-only)       3 x 5            ~2 min
+    mamba2-2.7b     0 KiB     12 GiB (prefix: 17)                   2 x 3            ~4 min
+    nemotron-h-8b  16 KiB     18 GiB (prefix: 27)                   2 x 3            ~6 min
+    falcon-h1-1.5b 24 KiB     14 GiB (prefix: 18)                   2 x 3            ~4 min
+
+A Mamba-2 model's cache also holds its Mamba states (mamba_state_bytes: per sequence, every Mamba layer's conv
+state, (conv kernel - 1) x (intermediate + 2 x groups x state) x 2 bytes, and SSM state, heads x head dim x state x
+2 bytes, 4 for Nemotron-H, whose SSM cache vLLM keeps in float32). A case needs, for each sequence it holds, its
+tokens' KV, its Mamba states (1; 3 with prefix caching: vLLM 0.33's "align" mode keeps two working states and a
+prefill checkpoint a sequence; 0.26's "all" mode, not read here, keeps one a cached block, so its engines may hold
+fewer prefix-case sequences at once, alike for both impls) and one more attention block each attention layer (vLLM
+pads attention blocks to a Mamba state's size, so a sequence's last, partly filled block costs about a state);
+the cache is at least max_num_seqs Mamba states (vLLM refuses to capture full decode graphs with fewer Mamba
+blocks than max_num_seqs: the failure of issue 49), then x 1.1 and rounded up as above. The shared prefix is
+counted in full for every sequence: an upper bound.
 
 Capped caches bind the prefill case (Gemma-2 holds ~60 of its 128 sequences at once, Phi-3 ~50): alike for every
 engine, and each full-size row carries its engines' kv_cache_gib. The wall times are estimates (two engines'
@@ -76,6 +106,7 @@ so run one model (and the fp8 or online cases) per call, e.g.
     TK_SERVE_MODELS=llama3.1-8b python3 scripts/bench.py --family serve
     TK_SERVE_MODELS=llama3.1-8b TK_SERVE_CASES=prefill_fp8,decode_fp8 python3 scripts/bench.py --family serve
     TK_SERVE_MODELS=llama3.1-8b TK_SERVE_CASES=online python3 scripts/bench.py --family serve
+    TK_SERVE_MODELS=nemotron-h-8b python3 scripts/bench.py --family serve
 
 Each call merges only its own cases' rows into bench/results/h200.json.
 
@@ -118,7 +149,10 @@ RUN_TIMEOUT_S = 600  # one timed run
 MAX_MODEL_LEN = int(os.environ.get("TK_SERVE_MAX_MODEL_LEN", "2048"))  # the 4-layer model's
 DEFAULT_POSITIONS = 8192  # build_tiny_model's max_position_embeddings
 FULL_MAX_MODEL_LEN = 32768  # the full-size models': the long case's 24576 + 256 tokens, rounded up
+MAMBA_MAX_MODEL_LEN = 16384  # the Mamba-2 models': the prefill case's 8192 + 64 tokens, rounded up
 MAX_NUM_SEQS = 256
+MAMBA_MAX_NUM_SEQS = 128  # the most sequences a Mamba-2 case holds; vLLM keeps a state for each at start-up
+PREFIX_STATES = 3  # Mamba states a sequence holds with prefix caching (vLLM 0.33 "align": 2 + a prefill checkpoint)
 GiB = 1 << 30
 # Each 4-layer engine's KV cache: the largest case holds at most 256 sequences of 1280 tokens at once, 16 KiB a token
 # (4 layers x K and V x 8 kv heads x 128 x 2 bytes): 5 GiB.
@@ -127,7 +161,7 @@ KV_HEADROOM = 1.1
 KV_CACHE_CAP_BYTES = 40 * GiB  # two engines of Gemma-2-9B (17 GiB of weights) and their activations fit one H200
 ONLINE_PEAK_REQUESTS = 64  # requests in flight under the online load: ~8/s x ~4 s each, doubled
 EMBED_BATCH_TOKENS = 16384  # the pooling engine's max_num_batched_tokens (no chunked prefill: a prompt fits a step)
-DEFAULT_KINDS = ("prefill", "decode", "long", "embed")
+DEFAULT_KINDS = ("prefill", "decode", "long", "prefix", "embed")
 QUICK_KINDS = ("decode", "embed")
 PROMPT_SEED = 7  # every case's prompts (and online arrivals): the same for every impl
 
@@ -143,6 +177,8 @@ class ServeModel:
     pooling: bool = False  # an embedding model (vLLM's pooling runner; needs a tokenizer)
     positions: int | None = None  # max_position_embeddings where the release has fewer than max_model_len
     kv_cache_bytes: int | None = None  # fixed; None: sized from the cases (kv_cache_bytes())
+    max_num_seqs: int = MAX_NUM_SEQS
+    mamba: bool = False  # has Mamba-2 layers: the Mamba cases, TK_MAMBA set per impl, TK's counters recorded
 
 
 MODELS = {m.name: m for m in (
@@ -155,6 +191,12 @@ MODELS = {m.name: m for m in (
     ServeModel("phi3-mini", "phi3-mini", positions=FULL_MAX_MODEL_LEN),
     # A run takes about a second: more rounds cost little. Encoder-only layers keep no KV cache.
     ServeModel("bge-base", "bge-base", max_model_len=512, impls=tuple(IMPLS), repeats=5, pooling=True),
+    ServeModel("mamba2-2.7b", "mamba2-2.7b", max_model_len=MAMBA_MAX_MODEL_LEN, max_num_seqs=MAMBA_MAX_NUM_SEQS,
+               mamba=True),
+    ServeModel("nemotron-h-8b", "nemotron-h-8b", max_model_len=MAMBA_MAX_MODEL_LEN, positions=MAMBA_MAX_MODEL_LEN,
+               max_num_seqs=MAMBA_MAX_NUM_SEQS, mamba=True),
+    ServeModel("falcon-h1-1.5b", "falcon-h1-1.5b", max_model_len=MAMBA_MAX_MODEL_LEN,
+               max_num_seqs=MAMBA_MAX_NUM_SEQS, mamba=True),
 )}
 
 
@@ -162,12 +204,17 @@ MODELS = {m.name: m for m in (
 class Case:
     name: str
     model: str
-    kind: str  # prefill, decode, long, prefill_fp8, decode_fp8, online, embed
+    kind: str  # prefill, decode, long, prefill_fp8, decode_fp8, online, embed, prefix
     prompts: int
     prompt_len: int | tuple[int, int]  # a range: each prompt's length drawn uniformly from it (inclusive)
     new_tokens: int = 0  # 0: embed
     kv_cache_dtype: str = "auto"
     rate: float = 0.0  # online: requests a second
+    shared_prefix: int = 0  # tokens every prompt starts with (before its own prompt_len); prefix caching on
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.shared_prefix > 0
 
     @property
     def online(self) -> bool:
@@ -175,7 +222,7 @@ class Case:
 
     @property
     def longest_prompt(self) -> int:
-        return self.prompt_len if isinstance(self.prompt_len, int) else self.prompt_len[1]
+        return self.shared_prefix + (self.prompt_len if isinstance(self.prompt_len, int) else self.prompt_len[1])
 
     @property
     def peak_tokens(self) -> int:
@@ -194,12 +241,13 @@ class Case:
 
 
 def _case(model: str, kind: str, prompts: int, prompt_len: int | tuple[int, int], new_tokens: int = 0,
-          rate: float = 0.0) -> Case:
-    """A case named <model>_<kind>_<prompts>x<len>in[_<new>out][_<rate>rps]."""
+          rate: float = 0.0, shared_prefix: int = 0) -> Case:
+    """A case named <model>_<kind>_<prompts>x[<shared prefix>+]<len>in[_<new>out][_<rate>rps]."""
     length = f"{prompt_len[0]}-{prompt_len[1]}" if isinstance(prompt_len, tuple) else str(prompt_len)
+    length = f"{shared_prefix}+{length}" if shared_prefix else length
     name = f"{model}_{kind}_{prompts}x{length}in" + (f"_{new_tokens}out" if new_tokens else "") + (
         f"_{rate:g}rps" if rate else "")
-    return Case(name, model, kind, prompts, prompt_len, new_tokens, rate=rate)
+    return Case(name, model, kind, prompts, prompt_len, new_tokens, rate=rate, shared_prefix=shared_prefix)
 
 
 def _fp8(case: Case) -> Case:
@@ -212,12 +260,21 @@ def _decoder_cases(model: str) -> list[Case]:
     return cases + ([_fp8(c) for c in cases[:2]] if model == "llama3.1-8b" else [])
 
 
+def _mamba_cases(model: str) -> list[Case]:
+    return [_case(model, "prefill", 32, 8192, 64), _case(model, "decode", 128, 512, 512),
+            _case(model, "prefix", 64, 512, 64, shared_prefix=4096)]
+
+
 def _case_table() -> list[Case]:
     cases = [Case("offline_512x1024in_256out", PRESET, "prefill", 512, 1024, 256),
              Case("offline_64x128in_1024out", PRESET, "decode", 64, 128, 1024)]
     for m in MODELS.values():
-        if not m.tiny:
-            cases += [_case(m.name, "embed", 1024, (64, 512))] if m.pooling else _decoder_cases(m.name)
+        if m.pooling:
+            cases += [_case(m.name, "embed", 1024, (64, 512))]
+        elif m.mamba:
+            cases += _mamba_cases(m.name)
+        elif not m.tiny:
+            cases += _decoder_cases(m.name)
     return cases
 
 
@@ -275,21 +332,29 @@ def rounds(model: str) -> int:
 
 @dataclass(frozen=True)
 class Group:
-    """What an engine is fixed to: the model, its KV cache's dtype, and whether it is an OpenAI server."""
+    """What an engine is fixed to: the model, its KV cache's dtype, whether it is an OpenAI server, and whether it
+    caches prefixes."""
     model: str
     kv_cache_dtype: str = "auto"
     online: bool = False
+    prefix_caching: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.model}_{self.kv_cache_dtype}" + ("_online" if self.online else "")
+        return f"{self.model}_{self.kv_cache_dtype}" + ("_online" if self.online else "") + (
+            "_prefix" if self.prefix_caching else "")
+
+
+def _group(case: Case) -> Group:
+    return Group(case.model, case.kv_cache_dtype, case.online, case.prefix_caching)
 
 
 def plan(cases: list[Case]) -> list[tuple[Group, list[Case]]]:
-    """The cases by engine group, in the order they run: by model, then bf16 offline, fp8 offline, online."""
+    """The cases by engine group, in the order they run: by model, then bf16 offline, prefix caching, fp8 offline,
+    online."""
     groups: dict[Group, list[Case]] = {}
-    for c in sorted(cases, key=lambda c: (c.online, c.kv_cache_dtype != "auto")):
-        groups.setdefault(Group(c.model, c.kv_cache_dtype, c.online), []).append(c)
+    for c in sorted(cases, key=lambda c: (c.online, c.kv_cache_dtype != "auto", c.prefix_caching)):
+        groups.setdefault(_group(c), []).append(c)
     order = list(dict.fromkeys(c.model for c in cases))
     return sorted(groups.items(), key=lambda g: order.index(g[0].model))
 
@@ -297,22 +362,66 @@ def plan(cases: list[Case]) -> list[tuple[Group, list[Case]]]:
 # ------------------------------------------------------------------------------------------ engine settings
 
 
+def _full_config(name: str):
+    sys.path.insert(0, str(REPO / "examples"))
+    from build_model_configs import config
+
+    return config(MODELS[name].preset)
+
+
+def _layer_counts(cfg) -> tuple[int, int]:
+    """(attention layers, Mamba-2 layers) of a transformers config."""
+    if cfg.model_type == "mamba2":
+        return 0, cfg.num_hidden_layers
+    if cfg.model_type == "nemotron_h":  # M a Mamba-2 layer, * attention, - an MLP
+        return cfg.hybrid_override_pattern.count("*"), cfg.hybrid_override_pattern.count("M")
+    if cfg.model_type == "falcon_h1":  # attention and Mamba-2 side by side in every layer
+        return cfg.num_hidden_layers, cfg.num_hidden_layers
+    return cfg.num_hidden_layers, 0
+
+
 @functools.lru_cache(maxsize=None)
 def model_shape(name: str) -> tuple[int, int, int]:
-    """(layers, kv heads, head size) of the model's attention."""
-    sys.path.insert(0, str(REPO / "examples"))
+    """(layers, kv heads, head size) of the model's attention (layers: those with attention; (0, 0, 0): none)."""
     m = MODELS[name]
     if m.tiny:
+        sys.path.insert(0, str(REPO / "examples"))
         from build_tiny_model import PRESETS
 
         shape = PRESETS[m.preset]
         return shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]
-    from build_model_configs import config
-
-    cfg = config(m.preset)
+    cfg = _full_config(name)
+    layers = _layer_counts(cfg)[0]
+    if not layers:
+        return 0, 0, 0
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+    return layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+# model_type -> the config's names of a Mamba-2 layer's (heads, head dim, state, groups, conv kernel, SSM state bytes
+# an element); the intermediate size is heads x head dim. vLLM keeps the conv state in the model's dtype (bf16) and
+# the SSM state in it too, but for Nemotron-H, whose SSM cache it keeps in float32 (NemotronHForCausalLMConfig).
+MAMBA_FIELDS = {
+    "mamba2": ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", 2),
+    "nemotron_h": ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", 4),
+    "falcon_h1": ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", 2),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def mamba_state_bytes(name: str) -> int:
+    """A sequence's Mamba states over every Mamba-2 layer, as vLLM's MambaStateShapeCalculator.mamba2_state_shape
+    lays them out at TP 1: conv (conv kernel - 1) x (intermediate + 2 x groups x state), SSM heads x head dim x
+    state (0: no Mamba layers)."""
+    m = MODELS[name]
+    if not m.mamba:
+        return 0
+    cfg = _full_config(name)
+    heads, head_dim, state, groups, kernel, ssm_bytes = MAMBA_FIELDS[cfg.model_type]
+    heads, head_dim, state, groups, kernel = (getattr(cfg, f) for f in (heads, head_dim, state, groups, kernel))
+    conv = (kernel - 1) * (heads * head_dim + 2 * groups * state) * 2
+    return _layer_counts(cfg)[1] * (conv + heads * head_dim * state * ssm_bytes)
 
 
 def kv_bytes_per_token(name: str, kv_cache_dtype: str = "auto") -> int:
@@ -321,26 +430,38 @@ def kv_bytes_per_token(name: str, kv_cache_dtype: str = "auto") -> int:
     return layers * 2 * kv_heads * head_dim * (1 if kv_cache_dtype.startswith("fp8") else 2)
 
 
+def case_cache_bytes(case: Case) -> int:
+    """The cache the case holds at its peak (the module docstring says what it counts)."""
+    kv = case.peak_tokens * kv_bytes_per_token(case.model, case.kv_cache_dtype)
+    states = mamba_state_bytes(case.model)
+    if not states:
+        return kv
+    held = min(case.prompts, MODELS[case.model].max_num_seqs)
+    layers = model_shape(case.model)[0]
+    per_layer_state = states // _layer_counts(_full_config(case.model))[1]
+    return kv + held * ((PREFIX_STATES if case.prefix_caching else 1) * states + layers * per_layer_state)
+
+
 def kv_cache_bytes(group: Group) -> int:
     """Every engine of the group's kv_cache_memory_bytes (the module docstring says how it is sized)."""
     m = MODELS[group.model]
     if m.kv_cache_bytes is not None:
         return m.kv_cache_bytes
-    peak = max(c.peak_tokens for c in CASE_TABLE
-               if (c.model, c.kv_cache_dtype, c.online) == (group.model, group.kv_cache_dtype, group.online))
-    need = peak * kv_bytes_per_token(group.model, group.kv_cache_dtype) * KV_HEADROOM
+    need = max(case_cache_bytes(c) for c in CASE_TABLE if _group(c) == group)
+    need = max(need, m.max_num_seqs * mamba_state_bytes(group.model)) * KV_HEADROOM
     return min(math.ceil(need / GiB) * GiB, KV_CACHE_CAP_BYTES)
 
 
 def engine_kwargs(name: str, model_dir: str | Path, backend: str, tp: int, kv_cache_dtype: str = "auto",
-                  online: bool = False) -> dict:
+                  online: bool = False, prefix_caching: bool = False) -> dict:
     """The engine's settings, as LLM(...)'s keyword arguments (the server's flags are made from these): CUDA graphs
-    on, no prefix caching, a fixed KV cache; full-size models with dummy weights and token-id prompts."""
+    on, no prefix caching (but for the prefix cases' engines), a fixed KV cache; full-size models with dummy
+    weights and token-id prompts."""
     m = MODELS[name]
     kwargs = dict(model=str(model_dir), attention_backend=backend, tensor_parallel_size=tp, seed=0,
-                  max_model_len=m.max_model_len, max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=0.15,
-                  kv_cache_memory_bytes=kv_cache_bytes(Group(name, kv_cache_dtype, online)),
-                  enable_prefix_caching=False, enforce_eager=False)
+                  max_model_len=m.max_model_len, max_num_seqs=m.max_num_seqs, gpu_memory_utilization=0.15,
+                  kv_cache_memory_bytes=kv_cache_bytes(Group(name, kv_cache_dtype, online, prefix_caching)),
+                  enable_prefix_caching=prefix_caching, enforce_eager=False)
     if not m.tiny:
         # vLLM's pooling runner will not start with skip_tokenizer_init: the embedding model has a tokenizer.
         kwargs.update(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=not m.pooling)
@@ -401,12 +522,50 @@ def _prompts(count: int, length: int | tuple[int, int], vocab: int, seed: int) -
     return [[rng.randrange(16, vocab) for _ in range(n)] for n in _lengths(count, length, rng)]
 
 
-def engine(model: str, backend: str, tp: int, *, serve_model: str = PRESET, kv_cache_dtype: str = "auto", **extra):
+def case_prompts(case: Case, vocab: int) -> list[list[int]]:
+    """The case's prompts: _prompts' (seed PROMPT_SEED), each after the case's shared prefix where it has one
+    (the prefix drawn from PROMPT_SEED, the rest then from PROMPT_SEED + 1)."""
+    if not case.shared_prefix:
+        return _prompts(case.prompts, case.prompt_len, vocab, seed=PROMPT_SEED)
+    prefix = _prompts(1, case.shared_prefix, vocab, seed=PROMPT_SEED)[0]
+    return [prefix + p for p in _prompts(case.prompts, case.prompt_len, vocab, seed=PROMPT_SEED + 1)]
+
+
+def engine(model: str, backend: str, tp: int, *, serve_model: str = PRESET, kv_cache_dtype: str = "auto",
+           prefix_caching: bool = False, **extra):
     """An LLM with the bench's settings (engine_kwargs), and the vocabulary its prompts draw from."""
     from vllm import LLM
 
-    llm = LLM(**engine_kwargs(serve_model, model, backend, tp, kv_cache_dtype), **extra)
+    llm = LLM(**engine_kwargs(serve_model, model, backend, tp, kv_cache_dtype, prefix_caching=prefix_caching),
+              **extra)
     return llm, prompt_vocab(serve_model, model)
+
+
+def engine_env(env: dict[str, str], model: str, impl: str) -> dict[str, str]:
+    """The impl's worker environment: for a Mamba-2 model, TK's SSD on for tk only (TK_MAMBA, whatever the caller
+    exported) and vLLM's collective_rpc allowed to ship tk_stats' reader (a function) to the engine's worker."""
+    if not MODELS[model].mamba:
+        return env
+    return {**env, "TK_MAMBA": "1" if impl == "tk" else "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def _read_tk_stats(worker) -> dict:
+    """Runs in the engine's worker process (collective_rpc passes the worker): TK's Mamba counters there."""
+    try:
+        from tk_backend.vllm import mamba
+    except ImportError:
+        return {}
+    return dict(mamba.STATS)
+
+
+def tk_stats(llm) -> dict:
+    """tk_backend.vllm.mamba.STATS summed over the engine's workers, since the engine started (profile run and
+    graph capture included). They count the Python calls: a decode step replayed from a CUDA graph adds none."""
+    total: dict[str, int] = {}
+    for stats in llm.collective_rpc(_read_tk_stats):
+        for key, count in (stats or {}).items():
+            total[key] = total.get(key, 0) + count
+    return dict(sorted(total.items()))
 
 
 def case_inputs(case: str, vocab: int):
@@ -415,7 +574,7 @@ def case_inputs(case: str, vocab: int):
     from vllm.inputs import TokensPrompt
 
     c = ALL_CASES[case]
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(c.prompts, c.prompt_len, vocab, seed=PROMPT_SEED)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in case_prompts(c, vocab)]
     if c.kind == "embed":
         return prompts, None
     return prompts, SamplingParams(max_tokens=c.new_tokens, ignore_eos=True, temperature=0.0)
@@ -433,7 +592,7 @@ def _replier(replies: str):
 
 
 def worker(model: str, backend: str, tp: int, replies: str, serve_model: str = PRESET,
-           kv_cache_dtype: str = "auto") -> None:
+           kv_cache_dtype: str = "auto", prefix_caching: bool = False) -> None:
     """Starts the engine, warms it up, then serves the coordinator's commands from stdin, one a line: a case
     name (one timed run of it; the reply is a JSON line appended to `replies`) or `quit`. The first reply,
     {"ready": true}, says the engine is up."""
@@ -441,7 +600,8 @@ def worker(model: str, backend: str, tp: int, replies: str, serve_model: str = P
     from vllm.inputs import TokensPrompt
 
     pooling = MODELS[serve_model].pooling
-    llm, vocab = engine(model, backend, tp, serve_model=serve_model, kv_cache_dtype=kv_cache_dtype)
+    llm, vocab = engine(model, backend, tp, serve_model=serve_model, kv_cache_dtype=kv_cache_dtype,
+                        prefix_caching=prefix_caching)
     warm = [TokensPrompt(prompt_token_ids=p) for p in _prompts(16, 64, vocab, seed=1)]
     if pooling:
         llm.embed(warm, use_tqdm=False)
@@ -456,6 +616,9 @@ def worker(model: str, backend: str, tp: int, replies: str, serve_model: str = P
             break
         if case not in inputs:
             inputs[case] = case_inputs(case, vocab)
+            if ALL_CASES[case].shared_prefix:  # the prefix cached before the first timed run, as after it
+                llm.generate(inputs[case][0][:1], SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
+                             use_tqdm=False)
         prompts, params = inputs[case]
         start = time.perf_counter()
         if params is None:
@@ -466,7 +629,9 @@ def worker(model: str, backend: str, tp: int, replies: str, serve_model: str = P
             continue
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        reply({"case": case, "seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)})
+        stats = {"tk_stats": tk_stats(llm)} if MODELS[serve_model].mamba else {}
+        reply({"case": case, "seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+               **stats})
 
 
 def stream_completion(host: str, port: int, payload: dict, timeout: float = RUN_TIMEOUT_S) -> dict:
@@ -570,7 +735,7 @@ def online_worker(model: str, backend: str, tp: int, replies: str, serve_model: 
             if case == "quit":
                 break
             c = ALL_CASES[case]
-            prompts.setdefault(case, _prompts(c.prompts, c.prompt_len, vocab, seed=PROMPT_SEED))
+            prompts.setdefault(case, case_prompts(c, vocab))
             reply({"case": case, **online_load("127.0.0.1", port, serve_model, prompts[case], c.new_tokens, c.rate)})
     except BaseException:
         print(f"serve: the server's log (tail):\n{log_tail(log_path)}", flush=True)
@@ -700,6 +865,8 @@ def case_row(case: Case, impl: str, replies: list[dict], suffix: str = "", kv_by
         return Row("serve", name, impl, seconds * 1e3, extra={
             "req_s": round(case.prompts / seconds, 1), "requests": case.prompts, "prompt_tokens": case.expected_tokens,
             "runs_s": runs_s, **extra})
+    if "tk_stats" in replies[-1]:  # the worker's TK Mamba counters after its last run
+        extra["tk_stats"] = replies[-1]["tk_stats"]
     return Row("serve", name, impl, seconds * 1e3,
                extra={"tok_s": round(case.expected_tokens / seconds, 1), "tokens": case.expected_tokens,
                       "runs_s": runs_s, **extra})
@@ -708,7 +875,7 @@ def case_row(case: Case, impl: str, replies: list[dict], suffix: str = "", kv_by
 def worker_command(group: Group, model_dir: Path, backend: str, tp: int) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(model_dir), "--backend", backend,
             "--tp", str(tp), "--serve-model", group.model, "--kv-cache-dtype", group.kv_cache_dtype,
-            *(["--online"] if group.online else [])]
+            *(["--online"] if group.online else []), *(["--prefix-caching"] if group.prefix_caching else [])]
 
 
 def run(quick: bool = False) -> list:
@@ -736,8 +903,8 @@ def run(quick: bool = False) -> list:
             model_dir = build_model(group.model)
             workdir = Path(tmp) / group.label
             workdir.mkdir()
-            engines = [Engine(impl, worker_command(group, model_dir, IMPLS[impl], tp), env, workdir)
-                       for impl in impls[group.model]]
+            engines = [Engine(impl, worker_command(group, model_dir, IMPLS[impl], tp),
+                              engine_env(env, group.model, impl), workdir) for impl in impls[group.model]]
             try:
                 runs = interleaved_runs(engines, [c.name for c in cases], rounds(group.model), record=dict,
                                         failures=failures)
@@ -765,6 +932,10 @@ if __name__ == "__main__":
     parser.add_argument("--serve-model", default=PRESET, choices=list(MODELS))
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--online", action="store_true", help="serve through vLLM's OpenAI server")
+    parser.add_argument("--prefix-caching", action="store_true", help="the engine caches prefixes")
     args = parser.parse_args()
-    (online_worker if args.online else worker)(args.model, args.backend, args.tp, args.replies, args.serve_model,
-                                               args.kv_cache_dtype)
+    if args.online:
+        online_worker(args.model, args.backend, args.tp, args.replies, args.serve_model, args.kv_cache_dtype)
+    else:
+        worker(args.model, args.backend, args.tp, args.replies, args.serve_model, args.kv_cache_dtype,
+               args.prefix_caching)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from benches import serve  # noqa: E402
 
 KiB, GiB = 1 << 10, 1 << 30
 FULL = ["llama3.1-8b", "qwen2.5-7b", "gemma2-9b", "llama3.2-1b", "phi3-mini"]
+MAMBA = ["mamba2-2.7b", "nemotron-h-8b", "falcon-h1-1.5b"]
 
 
 # ------------------------------------------------------------------------------------------- cases and names
@@ -46,7 +48,7 @@ def test_full_size_cases_are_named_by_model_kind_and_shape():
     assert {"llama3.1-8b_prefill_128x2048in_32out_fp8", "llama3.1-8b_decode_128x512in_512out_fp8",
             "bge-base_embed_1024x64-512in"} <= names
     assert not any(n.endswith("_fp8") and not n.startswith("llama3.1-8b_") for n in names)
-    assert len(names) == len(serve.CASE_TABLE) == 2 + 4 * 5 + 2 + 1
+    assert len(names) == len(serve.CASE_TABLE) == 2 + 4 * 5 + 2 + 1 + 3 * len(MAMBA)
     by_name = serve.ALL_CASES
     long = by_name["llama3.1-8b_long_8x24576in_256out"]
     assert (long.prompts, long.prompt_len, long.new_tokens) == (8, 24576, 256)
@@ -207,12 +209,16 @@ def test_the_default_selection_is_the_run_the_family_always_made(monkeypatch):
         (serve.Group("llama3-8b-4l"), list(serve.CASES))]
 
 
+def _select_models(monkeypatch, names: str) -> list[str]:
+    """TK_SERVE_MODELS=names and no other selection variable: the models selected."""
+    monkeypatch.setenv("TK_SERVE_MODELS", names)
+    for var in ("TK_SERVE_CASES", "TK_SERVE_IMPLS", "TK_SERVE_REPEATS"):
+        monkeypatch.delenv(var, raising=False)
+    return serve.selected_models()
+
+
 def test_models_cases_and_impls_are_picked_by_name_or_kind(monkeypatch):
-    monkeypatch.setenv("TK_SERVE_MODELS", "qwen2.5-7b,llama3.1-8b")
-    monkeypatch.delenv("TK_SERVE_CASES", raising=False)
-    monkeypatch.delenv("TK_SERVE_IMPLS", raising=False)
-    monkeypatch.delenv("TK_SERVE_REPEATS", raising=False)
-    models = serve.selected_models()
+    models = _select_models(monkeypatch, "qwen2.5-7b,llama3.1-8b")
     assert models == ["qwen2.5-7b", "llama3.1-8b"]
     assert [c.name for c in serve.selected_cases(models)] == [
         "qwen2.5-7b_prefill_128x2048in_32out", "qwen2.5-7b_decode_128x512in_512out", "qwen2.5-7b_long_8x24576in_256out",
@@ -315,7 +321,7 @@ def test_every_setting_is_an_engine_argument():
 
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     for c in serve.CASE_TABLE:
-        kwargs = serve.engine_kwargs(c.model, "/m", "TK", 1, c.kv_cache_dtype, c.online)
+        kwargs = serve.engine_kwargs(c.model, "/m", "TK", 1, c.kv_cache_dtype, c.online, c.prefix_caching)
         assert set(kwargs) <= fields, (c.name, set(kwargs) - fields)
 
 
@@ -529,3 +535,186 @@ def test_the_online_worker_serves_the_protocol_and_stops_its_server(tmp_path, mo
     assert run["case"] == case.name and run["tokens"] == 15 and run["failed"] == 0
     assert run["tpot_p50_ms"] >= STEP_S * 1e3 and run["ttft_p99_ms"] >= FIRST_S * 1e3
     assert len(servers) == 1 and servers[0].poll() is not None
+
+
+# ------------------------------------------------------------------------------------------ Mamba-2 models
+
+
+def test_the_mamba_models_have_their_own_cases():
+    for model in MAMBA:
+        cases = [c for c in serve.CASE_TABLE if c.model == model]
+        assert [c.name for c in cases] == [f"{model}_prefill_32x8192in_64out", f"{model}_decode_128x512in_512out",
+                                           f"{model}_prefix_64x4096+512in_64out"]
+        prefill, decode, prefix = cases
+        assert (prefill.prompts, prefill.prompt_len, prefill.new_tokens, prefill.prefix_caching) == (32, 8192, 64, False)
+        assert (decode.prompts, decode.prompt_len, decode.new_tokens, decode.prefix_caching) == (128, 512, 512, False)
+        assert (prefix.prompts, prefix.shared_prefix, prefix.prompt_len, prefix.new_tokens) == (64, 4096, 512, 64)
+        assert prefix.prefix_caching and prefix.longest_prompt == 4608 and prefix.expected_tokens == 64 * 64
+        m = serve.MODELS[model]
+        assert m.mamba and m.impls == ("tk", "flash_attn") and m.max_num_seqs == 128 >= max(c.prompts for c in cases)
+        assert prefill.longest_prompt + prefill.new_tokens == 8256 <= m.max_model_len == 16384
+
+
+def test_the_prefix_case_prompts_share_their_prefix_and_nothing_else():
+    prefix = serve.ALL_CASES["nemotron-h-8b_prefix_64x4096+512in_64out"]
+    prompts = serve.case_prompts(prefix, 131072)
+    assert len(prompts) == 64 and {len(p) for p in prompts} == {4608}
+    assert len({tuple(p[:4096]) for p in prompts}) == 1 and len({tuple(p[4096:]) for p in prompts}) == 64
+    assert prompts == serve.case_prompts(prefix, 131072) and all(16 <= t < 131072 for p in prompts for t in p)
+    decode = serve.ALL_CASES["nemotron-h-8b_decode_128x512in_512out"]  # no prefix: _prompts' own prompts
+    assert serve.case_prompts(decode, 1000) == serve._prompts(128, 512, 1000, seed=serve.PROMPT_SEED)
+
+
+def test_mamba_models_are_picked_by_name_and_kind(monkeypatch):
+    models = _select_models(monkeypatch, "falcon-h1-1.5b,mamba2-2.7b")
+    assert models == ["falcon-h1-1.5b", "mamba2-2.7b"]
+    groups = serve.plan(serve.selected_cases(models))  # every kind by default; prefix caching engines of their own
+    assert [(g.label, [c.kind for c in cs]) for g, cs in groups] == [
+        ("falcon-h1-1.5b_auto", ["prefill", "decode"]), ("falcon-h1-1.5b_auto_prefix", ["prefix"]),
+        ("mamba2-2.7b_auto", ["prefill", "decode"]), ("mamba2-2.7b_auto_prefix", ["prefix"])]
+    assert serve.selected_impls("mamba2-2.7b") == ["tk", "flash_attn"] and serve.rounds("mamba2-2.7b") == 3
+    monkeypatch.setenv("TK_SERVE_CASES", "prefix,mamba2-2.7b_decode_128x512in_512out")
+    assert [c.name for c in serve.selected_cases(models)] == [
+        "falcon-h1-1.5b_prefix_64x4096+512in_64out", "mamba2-2.7b_decode_128x512in_512out",
+        "mamba2-2.7b_prefix_64x4096+512in_64out"]
+    monkeypatch.setenv("TK_SERVE_CASES", "long")  # the Mamba models have no long case
+    with pytest.raises(SystemExit, match=r"TK_SERVE_CASES names \['long'\]"):
+        serve.selected_cases(models)
+
+
+# model -> (attention layers, kv heads, head size), Mamba-2 layers, the state a layer keeps for a sequence: conv
+# 3 x (heads x head dim + 2 x groups x state) x 2 bytes, SSM heads x head dim x state x (2 bytes; Nemotron-H's 4)
+MAMBA_SHAPES = {
+    "mamba2-2.7b": ((0, 0, 0), 64, 3 * (80 * 64 + 2 * 1 * 128) * 2 + 80 * 64 * 128 * 2),
+    "nemotron-h-8b": ((4, 8, 128), 24, 3 * (128 * 64 + 2 * 8 * 128) * 2 + 128 * 64 * 128 * 4),
+    "falcon-h1-1.5b": ((24, 2, 128), 24, 3 * (48 * 64 + 2 * 1 * 256) * 2 + 48 * 64 * 256 * 2),
+}
+
+
+@pytest.mark.parametrize("model", MAMBA)
+def test_mamba_state_and_kv_bytes(model):
+    attention, mamba_layers, per_layer = MAMBA_SHAPES[model]
+    assert serve.model_shape(model) == attention
+    assert serve.kv_bytes_per_token(model) == attention[0] * 2 * attention[1] * attention[2] * 2
+    assert serve.mamba_state_bytes(model) == mamba_layers * per_layer
+    assert serve.mamba_state_bytes("llama3.1-8b") == 0
+    for case in (c for c in serve.CASE_TABLE if c.model == model):
+        held = min(case.prompts, 128)
+        states = (3 if case.prefix_caching else 1) * mamba_layers * per_layer
+        assert serve.case_cache_bytes(case) == case.peak_tokens * serve.kv_bytes_per_token(model) + held * (
+            states + attention[0] * per_layer)
+        group = serve.Group(model, prefix_caching=case.prefix_caching)
+        size = serve.kv_cache_bytes(group)
+        assert size >= serve.case_cache_bytes(case) * 1.1 and size >= 128 * mamba_layers * per_layer * 1.1
+        assert size < serve.KV_CACHE_CAP_BYTES  # none capped: the floor of max_num_seqs states always holds
+
+
+def test_the_mamba_caches_are_the_docstring_table():
+    G = serve.Group
+    gib = {m: (serve.kv_cache_bytes(G(m)) // GiB, serve.kv_cache_bytes(G(m, prefix_caching=True)) // GiB)
+           for m in MAMBA}
+    assert gib == {"mamba2-2.7b": (12, 17), "nemotron-h-8b": (18, 27), "falcon-h1-1.5b": (14, 18)}
+    # Mamba2-2.7B's 128 decode sequences hold 128 x 64 x 1.28 MiB of state: 10.25 GiB, x 1.1 -> 12 GiB
+    assert round(serve.mamba_state_bytes("mamba2-2.7b") * 128 / GiB, 2) == 10.25
+    for model, (offline, prefix) in gib.items():
+        line = next(ln for ln in serve.__doc__.splitlines() if ln.strip().startswith(model + " ") and "KiB" in ln)
+        assert f"{serve.kv_bytes_per_token(model) // KiB} KiB" in line and f"{offline} GiB (prefix: {prefix})" in line
+
+
+def test_mamba_engines_cache_prefixes_only_for_the_prefix_case_and_pick_the_ssd_by_impl():
+    common = dict(model="/m", tensor_parallel_size=1, seed=0, max_model_len=16384, max_num_seqs=128,
+                  gpu_memory_utilization=0.15, enforce_eager=False, load_format="dummy", dtype="bfloat16",
+                  skip_tokenizer_init=True)
+    for impl in ("tk", "flash_attn"):
+        backend = serve.IMPLS[impl]
+        assert serve.engine_kwargs("nemotron-h-8b", "/m", backend, 1) == {
+            **common, "attention_backend": backend, "kv_cache_memory_bytes": 18 * GiB, "enable_prefix_caching": False}
+        assert serve.engine_kwargs("nemotron-h-8b", "/m", backend, 1, prefix_caching=True) == {
+            **common, "attention_backend": backend, "kv_cache_memory_bytes": 27 * GiB, "enable_prefix_caching": True}
+    env = {"TK_MAMBA": "1", "PATH": "/bin"}  # whatever the caller exported, each impl gets its own SSD
+    assert serve.engine_env(env, "falcon-h1-1.5b", "tk") == {
+        "TK_MAMBA": "1", "PATH": "/bin", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert serve.engine_env(env, "falcon-h1-1.5b", "flash_attn")["TK_MAMBA"] == "0"
+    assert serve.engine_env(env, "llama3.1-8b", "flash_attn") is env  # attention-only models as before
+    prefix_group = serve.plan([serve.ALL_CASES["mamba2-2.7b_prefix_64x4096+512in_64out"]])[0][0]
+    command = serve.worker_command(prefix_group, Path("/m"), "TK", 1)
+    assert command[-1] == "--prefix-caching" and "--online" not in command
+    assert "--prefix-caching" not in serve.worker_command(serve.Group("mamba2-2.7b"), Path("/m"), "TK", 1)
+
+
+def test_tk_stats_are_summed_over_workers_and_kept_in_the_row():
+    class FakeLLM:
+        def collective_rpc(self, method):
+            assert method is serve._read_tk_stats
+            return [{"tk_scan": 3, "tk_update": 2}, {"tk_scan": 1, "fallback_scan": 1}, {}]
+
+    assert serve.tk_stats(FakeLLM()) == {"fallback_scan": 1, "tk_scan": 4, "tk_update": 2}
+    assert set(serve._read_tk_stats(None)) <= {"tk_scan", "tk_update", "fallback_scan", "fallback_update",
+                                               "vllm_scan", "vllm_update"}
+    case = serve.ALL_CASES["mamba2-2.7b_decode_128x512in_512out"]
+    replies = [{"seconds": 5.0, "tokens": 65536, "tk_stats": {"tk_scan": 10}},
+               {"seconds": 4.0, "tokens": 65536, "tk_stats": {"tk_scan": 20}}]
+    row = serve.case_row(case, "tk", replies, "", 12 * GiB)
+    assert row.extra["tk_stats"] == {"tk_scan": 20} and row.extra["kv_cache_gib"] == 12.0
+
+
+@pytest.mark.parametrize("preset, fields", [
+    ("mamba2-2.7b", dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], num_hidden_layers=64,
+                         hidden_size=2560, num_heads=80, head_dim=64, expand=2, state_size=128, n_groups=1,
+                         vocab_size=50288, tie_word_embeddings=True)),
+    ("nemotron-h-8b", dict(model_type="nemotron_h", architectures=["NemotronHForCausalLM"], num_hidden_layers=52,
+                           hidden_size=4096, hybrid_override_pattern=build_model_configs.NEMOTRON_H_8B_PATTERN,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=128,
+                           mamba_head_dim=64, ssm_state_size=128, n_groups=8, intermediate_size=21504,
+                           mlp_hidden_act="relu2", vocab_size=131072, max_position_embeddings=8192)),
+    ("falcon-h1-1.5b", dict(model_type="falcon_h1", architectures=["FalconH1ForCausalLM"], num_hidden_layers=24,
+                            hidden_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                            mamba_d_ssm=3072, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=256,
+                            mamba_n_groups=1, intermediate_size=4608, vocab_size=65537)),
+])
+def test_the_mamba_configs_have_the_release_shapes(preset, fields):
+    cfg = build_model_configs.config(preset)
+    for field, value in fields.items():
+        assert getattr(cfg, field) == value, field
+    pattern = build_model_configs.NEMOTRON_H_8B_PATTERN
+    assert (len(pattern), pattern.count("M"), pattern.count("*"), pattern.count("-")) == (52, 24, 4, 24)
+    assert build_model_configs.config(preset, 5).num_hidden_layers == 5
+
+
+def test_vllm_reads_the_mamba_configs_and_sizes_their_states_as_the_bench(tmp_path, monkeypatch):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models.falcon_h1 import FalconH1ForCausalLM
+    from vllm.model_executor.models.mamba2 import Mamba2ForCausalLM
+    from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
+
+    classes = {"mamba2-2.7b": Mamba2ForCausalLM, "nemotron-h-8b": NemotronHForCausalLM,
+               "falcon-h1-1.5b": FalconH1ForCausalLM}
+    monkeypatch.setattr(serve.tempfile, "gettempdir", lambda: str(tmp_path))
+    for name in MAMBA:
+        path = serve.build_model(name)
+        config = ModelConfig(model=str(path), runner="generate", max_model_len=16384, skip_tokenizer_init=True,
+                             dtype="bfloat16")
+        assert config.max_model_len == 16384 and config.architecture == classes[name].__name__
+        assert config.is_hybrid == (name != "mamba2-2.7b")
+        assert serve.prompt_vocab(name, path) == config.get_vocab_size()
+        if name != "mamba2-2.7b":
+            assert config.get_head_size() == serve.model_shape(name)[2]
+            assert config.get_total_num_kv_heads() == serve.model_shape(name)[1]
+        # the state vLLM pages for one Mamba layer (the SSM cache in float32 for Nemotron-H, as vLLM sets it)
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=config.hf_config, dtype=torch.bfloat16),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1), num_speculative_tokens=0,
+            cache_config=SimpleNamespace(mamba_cache_dtype="auto", use_replayssm=False,
+                                         mamba_ssm_cache_dtype="float32" if name == "nemotron-h-8b" else "auto"))
+        shapes = classes[name].get_mamba_state_shape_from_config(vllm_config)
+        dtypes = classes[name].get_mamba_state_dtype_from_config(vllm_config)
+        page = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes))
+        assert page == MAMBA_SHAPES[name][2] and page * MAMBA_SHAPES[name][1] == serve.mamba_state_bytes(name)
+    # Nemotron-H is built with more positions than its release (8192), which vLLM would refuse otherwise
+    short = build_model_configs.build(tmp_path / "nemotron-release", "nemotron-h-8b")
+    with pytest.raises(Exception, match="max_model_len"):
+        ModelConfig(model=str(short), runner="generate", max_model_len=16384, skip_tokenizer_init=True)
