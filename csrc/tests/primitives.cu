@@ -69,9 +69,9 @@ struct mma_case {
   struct smem_t { a_tile a; b_tile b; };
 };
 
-template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM, bool Leading>
-__global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typename mma_case<N, K, ARegs, BIsNK, AIsKM, Leading>::globals g) {
-  using P = mma_case<N, K, ARegs, BIsNK, AIsKM, Leading>;
+// The case's A and B tiles, TMA-loaded into dynamic shared memory (1024-aligned), landed for every thread.
+template <typename P>
+__device__ typename P::smem_t& load_operands(const typename P::globals& g) {
   extern __shared__ uint8_t raw[];
   auto& s = *reinterpret_cast<typename P::smem_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   __shared__ semaphore loaded;
@@ -83,6 +83,13 @@ __global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typena
     tma::load_async(s.b, g.b, {}, loaded);
   }
   wait(loaded, 0);
+  return s;
+}
+
+template <int N, int K, bool ARegs, bool BIsNK, bool AIsKM, bool Leading>
+__global__ void __launch_bounds__(128) mma_kernel(const __grid_constant__ typename mma_case<N, K, ARegs, BIsNK, AIsKM, Leading>::globals g) {
+  using P = mma_case<N, K, ARegs, BIsNK, AIsKM, Leading>;
+  auto& s = load_operands<P>(g);
   rt_fl<16, N> d;
   if constexpr (Leading) {
     rt_bf<16, K> a;
@@ -140,17 +147,7 @@ struct mma8_case {
 template <int N, int K>
 __global__ void __launch_bounds__(128) mma8_kernel(const __grid_constant__ typename mma8_case<N, K>::globals g) {
   using P = mma8_case<N, K>;
-  extern __shared__ uint8_t raw[];
-  auto& s = *reinterpret_cast<typename P::smem_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-  __shared__ semaphore loaded;
-  if (threadIdx.x == 0) { init_semaphore(loaded, 1); fence_semaphore_init(); }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    expect_bytes(loaded, tma::bytes<typename P::a_tile>() + tma::bytes<typename P::b_tile>());
-    tma::load_async(s.a, g.a, {}, loaded);
-    tma::load_async(s.b, g.b, {}, loaded);
-  }
-  wait(loaded, 0);
+  auto& s = load_operands<P>(g);
   rt_fl<16, N> d;
   warpgroup::mm_ABt(d, s.a, s.b);
   warpgroup::mma_async_wait<0>();

@@ -176,11 +176,10 @@ struct attn_decode_split {
   }
   // fp8: the converted ring's stage `it` (lcsf: convert_stage), its rows past the item's end zeroed.
   __device__ static void convert_stage(converted_block& dst, const input_block& src, const globals&, const task_t& t,
-                                       int it, int thread, int) {
-    constexpr int converters = lcsf::CONVERTER_WARPS * WARP_THREADS;  // = threads
+                                       int it, int thread) {
     const int valid = t.end - (t.base + it * KV);
-    dequantize<converters>(dst.k, src.k, valid, thread);
-    dequantize<converters>(dst.v, src.v, valid, thread);
+    dequantize<lcsf::CONVERTER_THREADS>(dst.k, src.k, valid, thread);
+    dequantize<lcsf::CONVERTER_THREADS>(dst.v, src.v, valid, thread);
   }
 
   // Only the packed rows q_len * group hold queries (4 or 8 of the 64 at q_len 1 and GQA groups of 4 / 8): a warp

@@ -31,7 +31,7 @@
 //   own_iters(g, t, c) -> int, sit_out(c)    the consumer computes only the task's first own_iters stages (drain
 //                                            after the last) and sits out the rest: waits for each, sit_out, frees it
 //   converted_stages, converted_block,       a second ring between the producer and the consumers: the producer
-//   convert_stage(dst, src, g, t, it, th, n) warpgroup's other three warps turn each landed stage into a
+//   convert_stage(dst, src, g, t, it, th)    warpgroup's other three warps turn each landed stage into a
 //                                            converted_block (e.g. FP8 tiles into fp16), free the raw stage, and the
 //                                            consumers compute on the converted one (compute's input_block& is then
 //                                            a converted_block&). Strided walks, no clusters, no staggered pairs.
@@ -120,6 +120,7 @@ template <typename K> consteval int converted_stages() {
 template <typename K> consteval bool converts() { return converted_stages<K>() > 0; }
 // The warps that convert (converts<K>): the producer warpgroup's warps 1-3, beside the one thread that loads.
 inline constexpr int CONVERTER_WARPS = WARPGROUP_WARPS - 1;
+inline constexpr int CONVERTER_THREADS = CONVERTER_WARPS * WARP_THREADS;
 inline constexpr int FEED = 8;  // fed tasks in flight
 // A warp's copy of a shared-memory object as lane 0 reads it, in registers the compiler knows are warp-uniform.
 template <typename T> __device__ __forceinline__ T warp_uniform_copy(const T& src) {
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
           for (int it = 0; it < t.iters; it++) {
             wait(full[stage], phase);
             wait(cempty[cstage], cphase ^ 1);  // a fresh ring passes at once
-            K::convert_stage(cring[cstage], smem.ring[stage], g, t, it, thread, CONVERTER_WARPS * WARP_THREADS);
+            K::convert_stage(cring[cstage], smem.ring[stage], g, t, it, thread);  // thread < CONVERTER_THREADS
             fence_async_shared();  // the converted tile, for the consumers' wgmma (async proxy)
             __syncwarp();          // the warp's lanes have read the raw stage and written their part
             if (laneid() == 0) arrive(empty[stage]), arrive(cfull[cstage]);
