@@ -6,11 +6,12 @@ sees no key). Causal masks and windows are aligned bottom-right, as in flash-att
 
 FP8 KV caches (vLLM's --kv-cache-dtype fp8 / fp8_e4m3): paged caches of dtype float8_e4m3fn (or uint8 holding its
 bytes) that store x / scale, with flash-attn's k_descale / v_descale: float32 [batch, kv_heads] (a per-tensor scale
-expanded, any strides) or None for 1. Attention reads k * k_descale[b, h] and v * v_descale[b, h]. q stays bf16 /
-fp16 and is never quantized here: q_descale, accepted for flash-attn's signature, multiplies q as flash-attn
-defines it (q * q_descale[b, h]), so a caller whose 16-bit q is already the query passes None (or ones). vLLM
-hands its backends the query quantized per tensor: the TK backend widens it back (exactly) and passes the layer's
-q scale as q_descale. Decode dequantizes each K/V tile on chip; prefill (and decode's
+expanded, any strides) or None for 1. Attention reads k * k_descale[b, h] and v * v_descale[b, h]. q is never
+quantized here: q_descale multiplies q as flash-attn defines it (q * q_descale[b, h]), so a caller whose 16-bit q
+is already the query passes None (or ones). Decode also takes q as float8_e4m3fn over an FP8 cache (what vLLM hands
+its backends: the query quantized per tensor, with the layer's q scale as q_descale): out is then bf16 (or out's
+dtype), and at head dims 64, 128 and 256 without sinks the split kernel computes Q K^T in e4m3 on the cache's own
+tiles (elsewhere q is widened to out's dtype first, exactly). Decode dequantizes each K/V tile on chip; prefill (and decode's
 prefill-kernel fallback) first dequantizes the batch's pages into an fp16 scratch cache (flash_attn_varlen_func
 says how large) and runs in fp16. float8_e5m2 caches are refused, as FA3 refuses them.
 
@@ -39,6 +40,7 @@ TILE_HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 MAX_DECODE_Q_LEN = 16
 MAX_DECODE_ROWS = 64  # query rows a kv head (q_len x q heads per kv head) in the split decode kernel's tile
+DECODE_TAKES_E4M3_QUERY = True  # decode over an FP8 cache takes vLLM's e4m3 query (the module docstring)
 # The dtypes of FP8 caches: float8_e4m3fn, or uint8 holding its bytes (vLLM allocates its caches as either).
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _DESCALES = "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None"
@@ -367,10 +369,18 @@ def validate_decode(
     q_descale=None, k_descale=None, v_descale=None,
 ) -> tuple[float, tuple[int, int], float]:
     """Check every argument of flash_attn_with_kvcache; returns (softmax_scale, window, softcap) resolved."""
-    q = _half_tensor(q, "q", "[batch, q_len, heads, head_dim]")
     layout = "[num_blocks, block_size, kv_heads, head_dim]"
+    fp8_query = isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn  # the module docstring's e4m3 query
+    if fp8_query:
+        q = _checks.tensor(q, "q")
+        _rank(q, "q", "[batch, q_len, heads, head_dim]")
+    else:
+        q = _half_tensor(q, "q", "[batch, q_len, heads, head_dim]")
     k_cache = _cache_tensor(k_cache, "k_cache", layout)
     v_cache = _cache_tensor(v_cache, "v_cache", layout)
+    if fp8_query and not is_fp8_cache(k_cache):
+        raise TypeError(f"q is float8_e4m3fn: an e4m3 query needs fp8 caches, got k_cache of dtype "
+                        f"{_dtype_name(k_cache.dtype)}")
     _kv_like_q(q, k_cache, v_cache, "k_cache", "v_cache")
     batch, q_len = q.shape[0], q.shape[1]
     if batch < 1:
@@ -381,7 +391,12 @@ def validate_decode(
     _decode_block_table(block_table, batch, q, "q")
     _paged_cache(k_cache, v_cache, "k_cache", "v_cache")
     _int(num_splits, "num_splits", 0)
-    if out is not None:
+    if out is not None and fp8_query:  # out: bf16 or fp16, the output's dtype
+        _checks.tensor(out, "out", dtypes=_checks.HALF_TYPES)
+        _checks.same_device(out, q, "out", "q")
+        _checks.shape(out, "out", tuple(q.shape))
+        _addressable(out, "out")
+    elif out is not None:
         _out(out, q, tuple(q.shape))
     validate_descales(q_descale, k_descale, v_descale, k_cache, batch, q, "k_cache")
     _bool(causal, "causal")
@@ -741,6 +756,9 @@ class PagedDecode:
         """run() on validated arguments; descales: (q_descale, k_descale, v_descale) of FP8 caches."""
         if _block_table_check_wanted(table):
             check_block_table(table, self.cache_seqlens, k_cache.shape[0], self.page_size)
+        if q.dtype == torch.float8_e4m3fn and not (self.split_plan is not None and sinks is None
+                                                   and q.shape[-1] in TILE_HEAD_DIMS):
+            q = q.to(torch.bfloat16 if out is None else out.dtype)  # exact; only the split kernel takes e4m3
         if self.split_plan is None:
             out, lse = _decode_on_prefill_kernel(q, k_cache, v_cache, self.cache_seqlens, table, scale, self.causal,
                                                  self.window, softcap, out, sinks, descales, self.total_k_bound)
@@ -751,7 +769,9 @@ class PagedDecode:
     def _run_split(self, q, k_cache, v_cache, table, scale, softcap, out, sinks, descales):
         plan, ws = self.split_plan, self.workspace
         q = _addressable_copy(q)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        if out is None:
+            out = torch.empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype,
+                              device=q.device)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
         torch.ops.tk.attn_decode(
             q, k_cache, v_cache, self.cache_seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,

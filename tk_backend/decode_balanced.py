@@ -14,8 +14,8 @@ Shares
     CTA c owns the stream's units [c * T // ctas, (c + 1) * T // ctas). A unit inside a segment's overhead
     belongs with the segment's first key; a cut inside a segment's keys moves down to a multiple of `align`
     (the kernel's KV tile: 64 keys at D=128, where balanced mode runs decode_plan.kv_tile's 64-key tiles, 128 at
-    D=64, 48 at D=256), but not below the segment's first key, so a piece that continues a segment starts
-    on a whole tile and every share stays within `align` keys of exact. A CTA's pieces are the non-empty
+    D=64, 48 at D=256, 32 there over fp8 caches), but not below the segment's first key, so a piece that continues
+    a segment starts on a whole tile and every share stays within `align` keys of exact. A CTA's pieces are the non-empty
     intersections of its range with the segments, in stream order.
 Outputs
     A piece that is its segment's whole range writes out / lse directly. Otherwise the piece writes a partial

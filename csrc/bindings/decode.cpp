@@ -1,5 +1,5 @@
 // torch.library CUDA implementation of tk::attn_decode (schema in tk_backend/attention.py): 16-bit caches, or e4m3
-// ones (tk::attn_decode_fp8) with their descales.
+// ones (tk::attn_decode_fp8) with their descales, and over those an e4m3 query (tk::attn_decode_fp8_query).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -30,13 +30,18 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
                  const std::optional<at::Tensor>& v_descale) {
   chk::cuda(q, "q");
-  chk::half_or_bf16(q, "q");
+  // An e4m3 query (vLLM's, quantized for an fp8 cache) takes out's dtype for the checks that follow q's.
+  const bool fp8_query = q.scalar_type() == at::kFloat8_e4m3fn;
+  const at::Tensor& q16 = fp8_query ? out : q;
+  chk::half_or_bf16(q16, fp8_query ? "out (for an e4m3 q)" : "q");
   chk::rank(q, 4, "q");
   chk::rank(k_cache, 4, "k_cache");
   chk::rank(v_cache, 4, "v_cache");
-  const bool fp8 = chk::kv_caches(k_cache, v_cache, q, "k_cache", "v_cache");
+  const bool fp8 = chk::kv_caches(k_cache, v_cache, q16, "k_cache", "v_cache");
   if (!fp8) chk::no_descales(q_descale, k_descale, v_descale, k_cache, "k_cache");
-  chk::like(out, q, "out", "q");
+  TORCH_CHECK(!fp8_query || fp8, "an e4m3 q needs fp8 caches, got k_cache of dtype ", k_cache.scalar_type());
+  if (fp8_query) chk::same_device(out, q, "out", "q");
+  else chk::like(out, q, "out", "q");
   const int64_t batch = q.size(0), q_len = q.size(1), hq = q.size(2), d = q.size(3), hkv = k_cache.size(2);
   chk::attention_head_dim(d);
   const int64_t tile_d = chk::attention_tile_dim(d);  // partials keep the tile's columns
@@ -47,6 +52,9 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   TORCH_CHECK(rows <= 64, "the split decode kernel packs q_len x (q heads per kv head) <= 64 rows, got ", rows);
   TORCH_CHECK(k_cache.size(1) % 16 == 0, "block size must be a multiple of 16, got ", k_cache.size(1));
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(!fp8_query || (tile_d == d && !sinks.has_value()),
+              "an e4m3 q is taken at head dims 64, 128 and 256 without sinks (widen it to out's dtype otherwise), got "
+              "head dim ", d, sinks.has_value() ? " with sinks" : "");
   chk::tma_rows(q, "q");
   chk::tma_rows(k_cache, "k_cache");
   chk::tma_rows(v_cache, "v_cache");
@@ -87,7 +95,7 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
   const c10::cuda::CUDAGuard guard(q.device());
   tk::attn_decode_problem p{};
-  p.type = q.scalar_type() == at::kBFloat16 ? tk::dtype::bf16 : tk::dtype::f16;
+  p.type = q16.scalar_type() == at::kBFloat16 ? tk::dtype::bf16 : tk::dtype::f16;
   p.head_dim = int(d);
   p.q = q.data_ptr();
   for (int i = 0; i < 3; i++) {
@@ -131,6 +139,7 @@ void attn_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   p.sinks = chk::attention_sinks(sinks, q, hq, d);
   if (!fp8) return tk::attn_decode(p, c10::cuda::getCurrentCUDAStream());
   const tk::attn_kv_descales descales = chk::kv_descales(q_descale, k_descale, v_descale, q, batch, hkv);
+  if (fp8_query) return tk::attn_decode_fp8_query(p, descales, c10::cuda::getCurrentCUDAStream());
   tk::attn_decode_fp8(p, descales, c10::cuda::getCurrentCUDAStream());
 }
 

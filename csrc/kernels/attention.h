@@ -78,7 +78,7 @@ void attn_decode(const attn_decode_problem& p, cudaStream_t stream);
 
 // FP8 (e4m3) K/V caches hold x / scale; attention reads stored * descale. Each descale is float32 [batch, hkv]
 // (flash-attn's k_descale / v_descale; a per-tensor scale expanded: strides 0) at element strides (sequence, kv
-// head), or null for 1. q stays 16-bit: q_descale multiplies it, as flash-attn defines it (null: 1).
+// head), or null for 1. q_descale multiplies q, as flash-attn defines it (null: 1).
 struct attn_kv_descales {
   const float *q, *k, *v;
   long q_strides[2], k_strides[2], v_strides[2];
@@ -87,6 +87,10 @@ struct attn_kv_descales {
 // attn_decode over e4m3 caches (p.k / p.v hold its bytes; p.type is q's dtype, and out's): the split kernel
 // dequantizes each K/V tile to fp16 on chip (decode_fp8.cu).
 void attn_decode_fp8(const attn_decode_problem& p, const attn_kv_descales& descales, cudaStream_t stream);
+// ... with p.q holding e4m3 values (p.type is out's dtype), the query vLLM quantizes per tensor for an fp8 cache:
+// Q K^T in e4m3 on the cache's own tiles, only V dequantized on chip (decode_fp8q.cu). Head dims 64, 128 and 256,
+// no sinks; q_descale scales the scores like k_descale.
+void attn_decode_fp8_query(const attn_decode_problem& p, const attn_kv_descales& descales, cudaStream_t stream);
 
 // The pages of an e4m3 paged cache that a varlen batch reads, dequantized into an fp16 scratch cache of the same
 // block layout (fp8_pages.cu) for the paged prefill kernel, which then runs in fp16 (q converted, out converted

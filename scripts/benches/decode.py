@@ -128,6 +128,11 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, 
     return call
 
 
+def fp8_query_taken() -> bool:
+    """Whether this tree's decode takes vLLM's e4m3 query (older trees: a 16-bit one, the unquantized query)."""
+    return getattr(attention, "DECODE_TAKES_E4M3_QUERY", False)
+
+
 def _tk_step(q, k_cache, v_cache, seqlens, table, out, layers):
     """A decode step of `layers` layers through tk: one plan a step (a fresh one each time the step is captured
     or run eagerly), so the first layer builds the work list and the rest reuse it, as vLLM's backend runs it.
@@ -177,8 +182,8 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
     out = torch.empty_like(q)
     sink_logits = torch.randn(hq, device="cuda", dtype=torch.float32) if sinks else None
     attended = tokens if window < 0 else b * min(ctx, window + 1)  # keys a windowed step reads
-    kv_bytes = 1 if fp8 else 2
-    bytes_moved = (2 * kv_bytes * attended * hkv * d + 2 * 2 * b * hq * d) * layers
+    kv_bytes = 1 if fp8 else 2  # (and the query's: e4m3 over an fp8 cache, as vLLM hands it to every backend)
+    bytes_moved = (2 * kv_bytes * attended * hkv * d + (kv_bytes + 2) * b * hq * d) * layers
     num_sms, name = attention._device_info(q.device)
     plan = decode_plan.make_plan(b, table.shape[1] * page, 1, hq, hkv, d, page, num_sms, window, 0, name,
                                  **({"kv_dtype": decode_plan.kv_dtype_of(k_cache.dtype)} if fp8 else {}))
@@ -193,11 +198,15 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
     if window >= 0:
         extra["window_size"] = (window, 0)
     descales = None
-    if fp8:
+    tk_q = q
+    if fp8:  # vLLM quantizes the query per tensor for an fp8 cache before any backend sees it (FLASH_ATTN, TK)
         descales = tuple(torch.full((1, 1), x, device="cuda").expand(b, hkv) for x in (0.05, 1.0, 1.0))
         extra["k_descale"], extra["v_descale"] = descales[1], descales[2]
+        if fp8_query_taken():
+            tk_q = (q.float() / descales[0][0, 0]).to(torch.float8_e4m3fn)
+            extra["q_descale"] = descales[0]
     if layers == 1:
-        impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out,
+        impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(tk_q, k_cache, v_cache, seqlens, table, out=out,
                                                                     **extra)}
     else:
         impls = {"tk": _tk_step(q, k_cache, v_cache, seqlens, table, out, layers)}

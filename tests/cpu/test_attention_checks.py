@@ -299,6 +299,15 @@ FP8_ERRORS = [
      "k_descale must be a torch.Tensor, got float"),
     (tk_backend.flash_attn_varlen_func, _fp8_paged(v_descale=_t(3, 2, dtype=torch.float32)), ValueError,
      r"v_descale must have shape \(2, 2\), got \(3, 2\)"),
+    # an e4m3 query (vLLM's, over an fp8 cache): only over fp8 caches, into a 16-bit out
+    (tk_backend.flash_attn_with_kvcache, _decode(q=_f8(3, 1, 8, 128)), TypeError,
+     "q is float8_e4m3fn: an e4m3 query needs fp8 caches, got k_cache of dtype bfloat16"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(q=_f8(3, 1, 8, 128), out=_f8(3, 1, 8, 128)), TypeError,
+     "out must be bfloat16 or float16, got float8_e4m3fn"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(q=_f8(3, 1, 8, 128), out=_t(3, 2, 8, 128)), ValueError,
+     r"out must have shape \(3, 1, 8, 128\)"),
+    (tk_backend.flash_attn_with_kvcache, _fp8_decode(q=_f8(3, 1, 8, 128, dtype=torch.float8_e5m2)), TypeError,
+     "q must be bfloat16 or float16, got float8_e5m2"),
 ]
 
 
@@ -316,6 +325,11 @@ def test_fp8_caches_accept_good_input():
         softmax_scale=None, causal=True, window_size=(1024, -1), softcap=50.0, num_splits=0, out=None)
     attention.validate_varlen(**{**_defaults(), **_fp8_paged(v_descale=_t(2, 2, dtype=torch.float32))})
     assert attention.is_fp8_cache(kv) and not attention.is_fp8_cache(_t(2))
+    for out in (None, _t(3, 1, 8, 128, dtype=torch.float16)):  # an e4m3 query, its output bf16 or out's dtype
+        attention.validate_decode(
+            **_fp8_decode(q=_f8(3, 1, 8, 128), k_cache=kv[..., :128], v_cache=kv[..., 128:],
+                          q_descale=_t(1, dtype=torch.float32).expand(3, 2)),
+            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, num_splits=0, out=out)
 
 
 def test_fp8_plan_rejects_e5m2():

@@ -188,6 +188,128 @@ def test_fp8_decode_on_the_prefill_kernel(seed):
     _check_decode(*case, f"fp8 decode on prefill ctx={contexts} seed={seed}")
 
 
+# ---- an e4m3 query (vLLM's, quantized per tensor for an fp8 cache): Q K^T in e4m3 on the cache's tiles ---------
+
+
+def _quantize_query(q, rng, hkv, per="tensor"):
+    """q / scale in e4m3 (saturated, as vLLM's scaled_fp8_quant) and its q_descale: a per-tensor scale expanded to
+    [batch, kv_heads] as vLLM passes layer._q_scale, or one per (sequence, kv head)."""
+    batch, _, hq, _ = q.shape
+    if per == "tensor":
+        q_descale = torch.tensor([rng.uniform(0.02, 0.5)], device="cuda").expand(batch, hkv)
+    else:
+        q_descale = torch.rand(batch, hkv, device="cuda") * 0.3 + 0.02
+    per_head = q_descale.repeat_interleave(hq // hkv, dim=1)[:, None, :, None]
+    return (q.float() / per_head).clamp(-448, 448).to(torch.float8_e4m3fn), q_descale
+
+
+def _check_fp8_query(q, k, v, seqlens, table, scales, rng, what, per="tensor", **kw):
+    """The e4m3 query into a NaN-poisoned out of q's dtype, against the reference on the same e4m3 values (widened
+    exactly) with its q_descale."""
+    hkv = k.shape[2]
+    q8, q_descale = _quantize_query(q, rng, hkv, per)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    _, lse = tk_backend.flash_attn_with_kvcache(q8, k, v, seqlens, table, out=out, return_softmax_lse=True,
+                                                q_descale=q_descale, **scales, **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.decode(q8.to(q.dtype), k, v, seqlens, table, q_descale=q_descale, **scales,
+                                        **{n: x for n, x in kw.items() if n != "num_splits"})
+    assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
+    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("q_len,group", [(1, 4), (1, 8), (4, 4), (4, 16)])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_fp8_query_decode(d, q_len, group, block_size, num_splits, seed):
+    rng = random.Random(seed)
+    contexts = [rng.choice([q_len, rng.randint(q_len, 400), rng.randint(1000, 9000)]) for _ in range(5)]
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    case = _decode_case(rng, contexts, q_len, group, d, block_size, dtype)
+    _check_fp8_query(*case, rng, f"fp8 query decode d={d} q_len={q_len} group={group} bs={block_size} "
+                     f"splits={num_splits} {dtype} ctx={contexts} seed={seed}", num_splits=num_splits)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window,softcap", [((128, 0), 0.0), ((-1, -1), 20.0)])
+def test_fp8_query_decode_window_softcap_scales(d, window, softcap, seed):
+    """Windows, softcap and per-(sequence, head) q descales on the e4m3 product."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(2, 4000) for _ in range(4)]
+    case = _decode_case(rng, contexts, 2, 8, d, 32, torch.bfloat16)
+    _check_fp8_query(*case, rng, f"fp8 query decode d={d} window={window} softcap={softcap} ctx={contexts} "
+                     f"seed={seed}", per="seq", window_size=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("contexts,width,num_splits", [
+    ([5000, 3, 7000, 120], 8192, 8),   # direct
+    (_MANY, 8192, 4),                  # self-scheduled
+    ([100_000, 17], 131072, 0),        # balanced
+])
+def test_fp8_query_decode_modes(contexts, width, num_splits, seed):
+    """Every schedule over the e4m3 product, each run twice (the second reuses the schedule), through PagedDecode
+    with vLLM's per-tensor scales."""
+    rng = random.Random(seed)
+    block_size, hkv, group, d = 16, 2, 4, 128
+    k, v, table = _fp8_cache(rng, contexts, block_size, hkv, d)
+    table = torch.nn.functional.pad(table, (0, width // block_size - table.shape[1]))
+    q = torch.randn(len(contexts), 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    q8, q_descale = _quantize_query(q, rng, hkv)
+    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    decode = attention.PagedDecode(attention.DecodeWorkspacePool()).plan(
+        seqlens, table, num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=d, page_size=block_size,
+        num_splits=num_splits, kv_cache_dtype=k.dtype)
+    scales = {name: _descales("tensor", len(contexts), hkv, rng) for name in ("k_descale", "v_descale")}
+    out = torch.full_like(q, float("nan"))
+    for _ in range(2):
+        decode.run(q8, k, v, out, q_descale=q_descale, **scales)
+    torch.cuda.synchronize()
+    ref = reference.decode(q8.to(q.dtype), k, v, seqlens, table, q_descale=q_descale, **scales)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 query decode modes ctx={contexts[:4]} seed={seed}")
+
+
+def test_fp8_query_decode_widened_where_the_e4m3_product_does_not_run(seed):
+    """Head dim 96, sinks, more rows than a tile (the prefill kernel) and no out (bf16): q is widened first."""
+    rng = random.Random(seed)
+    contexts = [rng.randint(1, 3000) for _ in range(3)]
+    _check_fp8_query(*_decode_case(rng, contexts, 1, 8, 96, 16), rng, f"fp8 query d=96 seed={seed}")
+    _check_fp8_query(*_decode_case(rng, contexts, 1, 8, 64, 16), rng, f"fp8 query sinks seed={seed}",
+                     sinks=torch.randn(16, device="cuda"))
+    _check_fp8_query(*_decode_case(rng, contexts, 16, 8, 128, 16), rng, f"fp8 query on prefill seed={seed}")
+    q, k, v, seqlens, table, scales = _decode_case(rng, contexts, 1, 4, 128, 16)
+    q8, q_descale = _quantize_query(q, rng, 2)
+    out = tk_backend.flash_attn_with_kvcache(q8, k, v, seqlens, table, q_descale=q_descale, **scales)
+    assert out.dtype == torch.bfloat16
+    ref = reference.decode(q8.to(torch.bfloat16), k, v, seqlens, table, q_descale=q_descale, **scales)[0]
+    assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 query, no out seed={seed}")
+
+
+def test_fp8_query_decode_graph_replay(seed):
+    """Capture the e4m3 product once; replay after the lengths, the query and its scale change."""
+    rng = random.Random(seed)
+    batch, hkv, d = 8, 8, 128
+    k, v, table = _fp8_cache(rng, [4000] * batch, 16, hkv, d)
+    q8 = torch.zeros(batch, 1, 32, d, device="cuda", dtype=torch.float8_e4m3fn)
+    seqlens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+    q_scale = torch.ones(1, device="cuda")
+    scales = dict(q_descale=q_scale.expand(batch, hkv), k_descale=torch.ones(1, device="cuda").expand(batch, hkv))
+    out = torch.empty(q8.shape, dtype=torch.bfloat16, device="cuda")
+    tk_backend.flash_attn_with_kvcache(q8, k, v, seqlens, table, out=out, **scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk_backend.flash_attn_with_kvcache(q8, k, v, seqlens, table, out=out, **scales)
+    for _ in range(3):
+        seqlens.copy_(torch.tensor([rng.randint(1, 4000) for _ in range(batch)], dtype=torch.int32))
+        q_scale.fill_(rng.uniform(0.05, 0.5))
+        q8.copy_((torch.randn(q8.shape, device="cuda") / q_scale).to(torch.float8_e4m3fn))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.decode(q8.to(torch.bfloat16), k, v, seqlens, table, **scales)[0]
+        assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 query graph replay seed={seed}")
+
+
 # ---- prefill over a paged fp8 cache (chunked prefill over a prefix cache) -------------------------------------
 
 

@@ -105,15 +105,16 @@ def test_wgmma_leading_columns(prims, n):
 @pytest.mark.parametrize("n", [16, 64, 128, 256])
 @pytest.mark.parametrize("k", [64, 128])
 def test_wgmma_e4m3(prims, n, k):
-    """e4m3 x e4m3 wgmma (m64nNk32), A 64 x K and B N x K in shared memory: products of e4m3 values are exact in
-    fp32, so only the fp32 sum rounds."""
+    """e4m3 x e4m3 wgmma (m64nNk32), A 64 x K and B N x K in shared memory. Products of e4m3 values are exact, but
+    Hopper's FP8 tensor cores accumulate with fewer bits than fp32 (measured on an H200: relative error 7.5e-5 at
+    K = 64, 1.3e-4 at K = 128; 16-bit wgmma's is ~1e-7); a misplaced fragment or swizzle errs by O(1)."""
     a = (4 * torch.randn(64, k, device="cuda")).to(torch.float8_e4m3fn)
     b = (4 * torch.randn(n, k, device="cuda")).to(torch.float8_e4m3fn)
     d = torch.full((64, n), float("nan"), device="cuda")
     assert prims.tk_prim_mma8(n, k, _ptr(a), _ptr(b), _ptr(d)) == 0
     ref = a.double() @ b.double().T
     err = ((d.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-6, f"e4m3 wgmma N={n} K={k}: relative error {err:.2e}"
+    assert err < 1e-3, f"e4m3 wgmma N={n} K={k}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("col_layout", [False, True])

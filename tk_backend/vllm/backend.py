@@ -315,8 +315,8 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
         self.attn_type = attn_type
         self.encoder_only = attn_type == AttentionType.ENCODER_ONLY
         # Over an FP8 cache vLLM hands FLASH_ATTN and TRITON_ATTN the query quantized per tensor (layer._q_scale):
-        # TK takes the same, so it serves the answers they do (forward widens it back exactly; q_descale scales the
-        # scores).
+        # TK takes the same, so it serves the answers they do (decode computes Q K^T on it in e4m3, prefill widens it
+        # back exactly; q_descale scales the scores).
         self.supports_quant_query_input = self.fp8_cache and not self.encoder_only
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sliding_window = sliding_window
@@ -376,9 +376,7 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
             return output.fill_(0)
         md = attn_metadata
         sinks = self.kernel_sinks()
-        quantized_query = query.dtype == torch.float8_e4m3fn
-        if quantized_query:  # e4m3 values are exact in bf16 / fp16
-            query = query.to(output.dtype)
+        quantized_query = query.dtype == torch.float8_e4m3fn  # decode takes it as it is; prefill widens it (exact)
         if self.encoder_only:
             return self._forward_encoder_only(query, key, value, md, output, sinks)
         window = self.window_size if md.causal else self.bidirectional_window_size
@@ -395,7 +393,7 @@ class TKAttentionImpl(AttentionImpl[TKAttentionMetadata]):
                           **self._descales(layer, d, quantized_query))
         query_start_loc = md.prefill_query_start_loc if d > 0 else md.query_start_loc
         flash_attn_varlen_func(
-            query[d:n], key_cache, value_cache, query_start_loc, None, md.max_query_len, md.max_seq_len,
+            query[d:n].to(output.dtype) if quantized_query else query[d:n], key_cache, value_cache, query_start_loc, None, md.max_query_len, md.max_seq_len,
             causal=md.causal, block_table=md.block_table[d:], seqused_k=md.seq_lens[d:], out=output[d:n], **common,
             total_k_bound=md.prefill_total_k, **self._descales(layer, md.block_table.shape[0] - d, quantized_query),
         )

@@ -7,7 +7,9 @@
 // Over FP8 caches (P.fp8_kv) the ring holds e4m3 tiles, which the producer warpgroup's idle warps convert into a
 // second ring of fp16 tiles (lcsf's converted ring, dequant.cuh) while the consumer computes on the previous ones:
 // the consumer's work is the 16-bit kernel's, on fp16 queries and tiles; k_descale (and q_descale) fold into the
-// task's score scale and v_descale scales its output rows.
+// task's score scale and v_descale scales its output rows. With an e4m3 query (P.fp8_q: vLLM's, quantized per
+// tensor) S = Q K^T is an e4m3 product on the raw ring's K tiles (lcsf's reads_raw_stage) and only V converts, which
+// halves the conversion and the shared-memory bytes of S.
 #pragma once
 #include "../attention/masks.cuh"
 #include "../attention/paging.cuh"
@@ -24,9 +26,11 @@ struct attn_decode_split {
   // Chained to whatever came before (balanced mode: its schedule kernel), and the merge to this one: each
   // launch overlaps the previous kernel's tail (the b1 cases are a few microseconds a kernel).
   static constexpr lcsf::options pipeline{.chain = lcsf::launch_chain::chained};
-  using mma_t = std::conditional_t<P.fp8_kv, half, T>;      // the products' inputs
+  static_assert(!P.fp8_q || (P.fp8_kv && !P.ragged_head_dim), "an e4m3 query: over fp8 caches, at tile head dims");
+  using mma_t = std::conditional_t<P.fp8_kv, half, T>;      // the products' inputs (P V's; and Q K^T's but fp8_q)
   using cache_t = std::conditional_t<P.fp8_kv, fp8e4m3, T>;  // the caches' elements
-  using q_tile = st<mma_t, ROWS, D>;
+  using q_elem_t = std::conditional_t<P.fp8_q, fp8e4m3, T>;  // q's elements (T: out's)
+  using q_tile = st<std::conditional_t<P.fp8_q, fp8e4m3, mma_t>, ROWS, D>;
   using kv_tile = st<cache_t, KV, D>;
   using mma_kv_tile = st<mma_t, KV, D>;  // the tiles the products read: the ring's, or (fp8) the converted ring's
   using piece = st<cache_t, PIECE, D>;
@@ -35,7 +39,7 @@ struct attn_decode_split {
 
   struct globals {
     pages_gl k, v;
-    const T* q;
+    const q_elem_t* q;
     long q_strides[3];
     const int *cache_seqlens, *block_table;
     int *cta_start, *work_items;  // read (reuse, balanced), or written (self_schedule; direct mode: finish)
@@ -66,10 +70,24 @@ struct attn_decode_split {
     tk::attn_kv_descales descales;  // P.fp8_kv
   };
   struct input_block { kv_tile k, v; };
-  // fp8: the converted ring (lcsf), whose stages the consumer computes on.
-  struct converted_block { mma_kv_tile k, v; };
+  // fp8: the converted ring (lcsf), whose stages the consumer computes on (fp8_q: V's only, beside the raw stage).
+  struct converted_kv { mma_kv_tile k, v; };
+  struct converted_v { mma_kv_tile v; };
+  using converted_block = std::conditional_t<P.fp8_q, converted_v, converted_kv>;
   static constexpr int converted_stages = P.fp8_kv ? P.converted_stages : 0;
-  using compute_block = std::conditional_t<P.fp8_kv, converted_block, input_block>;
+  static constexpr bool reads_raw_stage = P.fp8_q;
+  using compute_block = std::conditional_t<
+      P.fp8_q, lcsf::both_stages<input_block, converted_block>,
+      std::conditional_t<P.fp8_kv, converted_block, input_block>>;
+  // The tiles a step's products read: K for S (fp8_q: the raw e4m3 one), V for P V.
+  __device__ static const auto& keys(const compute_block& in) {
+    if constexpr (P.fp8_q) return in.raw.k;
+    else return in.k;
+  }
+  __device__ static const mma_kv_tile& values(const compute_block& in) {
+    if constexpr (P.fp8_q) return in.converted.v;
+    else return in.v;
+  }
   struct scratch_block { q_tile q; };
   using s_tile = rt_fl<16, KV>;
   using row_vec = typename s_tile::per_row;
@@ -152,19 +170,19 @@ struct attn_decode_split {
   }
 
   // The packed query tile: row r = t * group + g holds q[b, t, h * group + g]; rows past q_len * group are 0.
-  // (fp8: as fp16.)
+  // (fp8: as fp16; fp8_q: as e4m3, as given.)
   __device__ static void load_queries(scratch_block& scratch, const globals& g, const task_t& t) {
-    constexpr int vecs_per_row = D * int(sizeof(T)) / 16;
+    constexpr int vecs_per_row = D * int(sizeof(q_elem_t)) / 16;
     const int rows = g.q_len * g.group;
     for (int v = warpgroup::thread(); v < ROWS * vecs_per_row; v += WARPGROUP_THREADS) {
-      const int r = v / vecs_per_row, col = (v % vecs_per_row) * (16 / int(sizeof(T)));
+      const int r = v / vecs_per_row, col = (v % vecs_per_row) * (16 / int(sizeof(q_elem_t)));
       uint4 x{0, 0, 0, 0};
       if (r < rows && (!P.ragged_head_dim || col < g.head_dim)) {
         const int tok = r / g.group, head = t.h * g.group + r % g.group;
         x = *reinterpret_cast<const uint4*>(g.q + t.b * g.q_strides[0] + tok * g.q_strides[1] +
                                             head * g.q_strides[2] + col);
       }
-      if constexpr (P.fp8_kv) x = to_half_unit<T>(x);  // the products' type
+      if constexpr (P.fp8_kv && !P.fp8_q) x = to_half_unit<T>(x);  // the products' type
       detail::st_shared_16B(scratch.q.ref().addr(r, col), x);
     }
     publish();  // the tile is read by wgmma next
@@ -178,7 +196,7 @@ struct attn_decode_split {
   __device__ static void convert_stage(converted_block& dst, const input_block& src, const globals&, const task_t& t,
                                        int it, int thread) {
     const int valid = t.end - (t.base + it * KV);
-    dequantize<lcsf::CONVERTER_THREADS>(dst.k, src.k, valid, thread);
+    if constexpr (!P.fp8_q) dequantize<lcsf::CONVERTER_THREADS>(dst.k, src.k, valid, thread);
     dequantize<lcsf::CONVERTER_THREADS>(dst.v, src.v, valid, thread);
   }
 
@@ -205,19 +223,19 @@ struct attn_decode_split {
     if constexpr (P.fp8_kv) load_descales(s, g, t);
     load_queries(scratch, g, t);
     s_tile att;
-    warpgroup::mm_ABt(att, scratch.q, in.k);
+    warpgroup::mm_ABt(att, scratch.q, keys(in));
     warpgroup::mma_async_wait<0>();
     softmax(s, att, g, t, 0);
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    s.v_prev = &in.v;
+    s.v_prev = &values(in);
   }
 
   // Tile j: S_j and the previous tile's P V go out together; the softmax of S_j overlaps that P V.
   __device__ static void compute(consumer_state& s, compute_block& in, scratch_block& scratch, const globals& g,
                                  const task_t& t, int it, int) {
     s_tile att;
-    warpgroup::mm_ABt(att, scratch.q, in.k);
+    warpgroup::mm_ABt(att, scratch.q, keys(in));
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
     warpgroup::mma_AB(s.o, s.p, *s.v_prev);
     warpgroup::mma_async_wait<1>();
@@ -225,7 +243,7 @@ struct attn_decode_split {
     warpgroup::mma_async_wait<0>();
     wgmma::fence_operand(s.p);
     copy(s.p, att);
-    s.v_prev = &in.v;
+    s.v_prev = &values(in);
   }
 
   // Before the last P V: the tile's rows past the item's end are masked (P = 0), but at the sequence's end

@@ -24,14 +24,13 @@ template <typename T, policy P, schedule_source Source>
 void launch(const tk::attn_decode_problem& p, const tk::attn_kv_descales& descales, cudaStream_t stream) {
   using K = local_kernel<T, P, Source>;
   constexpr int D = P.head_dim;
-  auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   auto cache = [](const void* x) { return static_cast<typename K::cache_t*>(const_cast<void*>(x)); };
   const int group = p.hq / p.hkv, rows = p.q_len * group;
   typename K::globals g{};
   const long d = p.head_dim;  // D, or less with ragged_head_dim
   g.k = {cache(p.k), {p.num_blocks, p.hkv, p.block_size, d}, {p.k_strides[0], p.k_strides[2], p.k_strides[1], 1}};
   g.v = {cache(p.v), {p.num_blocks, p.hkv, p.block_size, d}, {p.v_strides[0], p.v_strides[2], p.v_strides[1], 1}};
-  g.q = ptr(p.q);
+  g.q = static_cast<const typename K::q_elem_t*>(p.q);  // T, or e4m3 (P.fp8_q)
   for (int i = 0; i < 3; i++) g.q_strides[i] = p.q_strides[i];
   g.cache_seqlens = p.cache_seqlens;
   g.block_table = p.block_table;
@@ -86,15 +85,16 @@ void run(const tk::attn_decode_problem& p, const tk::attn_kv_descales& d, cudaSt
   launch<T, P, schedule_source::reads>(p, d, stream);
 }
 
-// The variants' flavour: plain, with_sinks, with_ragged_head_dim, or one of those over fp8 caches (each its own
-// translation unit: decode*.cu).
-enum class flavour { plain, sinks, ragged_head_dim, fp8_kv, fp8_kv_sinks, fp8_kv_ragged_head_dim };
+// The variants' flavour: plain, with_sinks, with_ragged_head_dim, or one of those over fp8 caches, or an e4m3 query
+// over them (each its own translation unit: decode*.cu).
+enum class flavour { plain, sinks, ragged_head_dim, fp8_kv, fp8_kv_sinks, fp8_kv_ragged_head_dim, fp8_qk };
 
 template <flavour F>
 constexpr policy policy_of(variant v) {
   constexpr bool fp8 = F == flavour::fp8_kv || F == flavour::fp8_kv_sinks || F == flavour::fp8_kv_ragged_head_dim;
   policy p = v == variant::d64 ? d64 : v == variant::d128 ? d128 : v == variant::d128_kv64 ? d128_kv64 : d256;
   if (fp8) p = v == variant::d64 ? d64_fp8 : v == variant::d256 ? d256_fp8 : d128_kv64_fp8;  // policy.cuh: D=128
+  if (F == flavour::fp8_qk) p = v == variant::d64 ? d64_fp8q : v == variant::d256 ? d256_fp8q : d128_kv64_fp8q;
   if (F == flavour::sinks || F == flavour::fp8_kv_sinks) p = with_sinks(p);
   if (F == flavour::ragged_head_dim || F == flavour::fp8_kv_ragged_head_dim) p = with_ragged_head_dim(p);
   return p;

@@ -19,6 +19,9 @@ struct policy {
   // load as fp16 too; the descales scale the scores and the output rows.
   bool fp8_kv = false;
   int converted_stages = 0;
+  // (with fp8_kv) q holds e4m3 values (vLLM's query, quantized per tensor for an fp8 cache): S = Q K^T is an e4m3
+  // product on the raw ring's K tiles, and only V converts (its product with P stays fp16).
+  bool fp8_q = false;
 };
 using tk::attn::tile_head_dim, tk::attn::with_ragged_head_dim, tk::attn::with_sinks;
 // fp8 tiles are half the bytes: the ring takes `stages` of them in what the converted ring leaves of shared memory.
@@ -30,17 +33,28 @@ constexpr policy with_fp8_kv(policy p, int stages, int converted_stages = 3) {
   p.converted_stages = converted_stages;
   return p;
 }
+// An e4m3 query: the converted ring holds V only, so it fits more stages of both rings.
+constexpr policy with_fp8_qk(policy p, int stages, int converted_stages) {
+  p = with_fp8_kv(p, stages, converted_stages);
+  p.fp8_q = true;
+  return p;
+}
 inline constexpr policy d64{.head_dim = 64, .kv_rows = 128, .stages = 6};
 inline constexpr policy d128{.head_dim = 128, .kv_rows = 128, .stages = 3};
 // 64-key tiles in 6 stages hold the ring bytes of 128 x 3 but free a stage twice as often: short items and balanced
 // pieces stream faster, long ones slower (decode_plan.kv_tile picks: attn_decode_problem::kv_tile).
 inline constexpr policy d128_kv64{.head_dim = 128, .kv_rows = 64, .stages = 6};
 inline constexpr policy d256{.head_dim = 256, .kv_rows = 48, .stages = 3};
-// Over FP8 caches (decode_fp8.cu): the same tiles, in 6 raw stages (2 at D=256) beside 3 converted ones. D=128
-// takes 64-key tiles at every plan: three converted 128-key stages and a raw one do not fit.
+// Over FP8 caches (decode_fp8.cu): the same tiles, in 6 raw stages beside 3 converted ones. D=128 takes 64-key tiles
+// at every plan: three converted 128-key stages and a raw one do not fit. D=256 takes 32-key tiles in 4 raw stages:
+// 48-key ones fit only 2, and left the self-scheduling kernel (3.5 KB of static shared memory) over the 227 KB.
 inline constexpr policy d64_fp8 = with_fp8_kv(d64, 6);
 inline constexpr policy d128_kv64_fp8 = with_fp8_kv(d128_kv64, 6);
-inline constexpr policy d256_fp8 = with_fp8_kv(d256, 2);
+inline constexpr policy d256_fp8 = with_fp8_kv({.head_dim = 256, .kv_rows = 32, .stages = 4}, 4);
+// With an e4m3 query (decode_fp8q.cu): 1-byte raw stages, 16-bit V stages and a 1-byte query tile.
+inline constexpr policy d64_fp8q = with_fp8_qk(d64, 8, 4);
+inline constexpr policy d128_kv64_fp8q = with_fp8_qk(d128_kv64, 8, 4);
+inline constexpr policy d256_fp8q = with_fp8_qk(d256, 5, 3);
 
 // Where a CTA's range of the static schedule comes from. A kernel that can work it out carries the scheduling code,
 // whose presence alone slowed the other modes, so each mode has its own kernel.

@@ -35,6 +35,10 @@
 //                                            converted_block (e.g. FP8 tiles into fp16), free the raw stage, and the
 //                                            consumers compute on the converted one (compute's input_block& is then
 //                                            a converted_block&). Strided walks, no clusters, no staggered pairs.
+//   reads_raw_stage = true                   with a converted ring, the consumers read the raw stage too: compute
+//                                            gets a both_stages& {raw, converted}; a raw stage is freed once the
+//                                            converting warps and the consumers (right after that stage's compute,
+//                                            which waits for its products of it) are done with it
 // compute may leave its wgmma groups in flight: the template retires them `release_lag` stages late and only then
 // frees the stage.
 #pragma once
@@ -118,6 +122,15 @@ template <typename K> consteval int converted_stages() {
   else return 0;
 }
 template <typename K> consteval bool converts() { return converted_stages<K>() > 0; }
+template <typename K> consteval bool reads_raw_stage() {
+  if constexpr (requires { K::reads_raw_stage; }) return converts<K>() && K::reads_raw_stage;
+  else return false;
+}
+// What compute reads with reads_raw_stage: the raw stage (e.g. e4m3 K for an e4m3 product) and the converted one.
+template <typename Raw, typename Converted> struct both_stages {
+  const Raw& raw;
+  Converted& converted;
+};
 // The warps that convert (converts<K>): the producer warpgroup's warps 1-3, beside the one thread that loads.
 inline constexpr int CONVERTER_WARPS = WARPGROUP_WARPS - 1;
 inline constexpr int CONVERTER_THREADS = CONVERTER_WARPS * WARP_THREADS;
@@ -194,8 +207,9 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   if (threadIdx.x == 0) {
     for (int s = 0; s < K::stages; s++) {
       init_semaphore(full[s], 1);  // the producer's expect_bytes
-      // every consumer warp of the cluster, or every converting warp
-      init_semaphore(empty[s], converts<K>() ? CONVERTER_WARPS : cluster * K::consumers * WARPGROUP_WARPS);
+      // every consumer warp of the cluster, or every converting warp (and every consumer warp: reads_raw_stage)
+      init_semaphore(empty[s], converts<K>() ? CONVERTER_WARPS + (reads_raw_stage<K>() ? K::consumers * WARPGROUP_WARPS : 0)
+                                             : cluster * K::consumers * WARPGROUP_WARPS);
     }
     if constexpr (converts<K>())
       for (int s = 0; s < cstages; s++)
@@ -284,6 +298,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     typename K::consumer_state state;
     if constexpr (requires { K::init_state(state, role); }) K::init_state(state, role);
     int stage = 0, phase = 0;
+    [[maybe_unused]] int rstage = 0, rphase = 0;  // reads_raw_stage: the raw ring's position (the consumer ring's is stage / phase)
     auto release = [&](int s) {
       if (laneid() == 0) {
         if constexpr (cluster > 1) {
@@ -301,39 +316,41 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
     };
     // Staggered pairs: step j waits for A_j (slot `stage`) and B_{j-1} (slot b), frees both after compute.
     auto run_staggered = [&](const typename K::task_t& t) {
-      const int steps = t.iters / 2;
-      int b = 0, b_phase = 0;
-      auto advance = [&] {
-        b = stage + 1, b_phase = phase;  // B_j, for the next step
-        if ((stage += 2) == cstages) stage = 0, phase ^= 1;
-      };
-      if (steps > 0) {
-        wait(cfull[stage], phase);
-        if constexpr (requires { K::compute_first(state, cring[stage], smem.scratch, g, t, role); })
-          K::compute_first(state, cring[stage], smem.scratch, g, t, role);
-        else
-          K::compute(state, cring[stage], smem.scratch, g, t, 0, role);
-        warpgroup::mma_async_wait<1>();
-        release(stage);
-        advance();
+      if constexpr (staggered_pairs<K>()) {  // (not compiled for other kernels: their compute takes other blocks)
+        const int steps = t.iters / 2;
+        int b = 0, b_phase = 0;
+        auto advance = [&] {
+          b = stage + 1, b_phase = phase;  // B_j, for the next step
+          if ((stage += 2) == cstages) stage = 0, phase ^= 1;
+        };
+        if (steps > 0) {
+          wait(cfull[stage], phase);
+          if constexpr (requires { K::compute_first(state, cring[stage], smem.scratch, g, t, role); })
+            K::compute_first(state, cring[stage], smem.scratch, g, t, role);
+          else
+            K::compute(state, cring[stage], smem.scratch, g, t, 0, role);
+          warpgroup::mma_async_wait<1>();
+          release(stage);
+          advance();
+        }
+        for (int j = 1; j < steps; j++) {
+          wait(cfull[stage], phase);
+          wait(cfull[b], b_phase);
+          K::compute(state, cring[stage], smem.scratch, g, t, j, role);
+          warpgroup::mma_async_wait<1>();
+          release(stage);
+          release(b);
+          advance();
+        }
+        if (steps > 0) {
+          wait(cfull[b], b_phase);
+          if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
+            K::drain(state, smem.scratch, g, t, role);
+        }
+        warpgroup::mma_async_wait<0>();  // on every path (ptxas injects one before finish otherwise)
+        if (steps > 0) release(b);
+        K::finish(state, smem.scratch, g, t, role);
       }
-      for (int j = 1; j < steps; j++) {
-        wait(cfull[stage], phase);
-        wait(cfull[b], b_phase);
-        K::compute(state, cring[stage], smem.scratch, g, t, j, role);
-        warpgroup::mma_async_wait<1>();
-        release(stage);
-        release(b);
-        advance();
-      }
-      if (steps > 0) {
-        wait(cfull[b], b_phase);
-        if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
-          K::drain(state, smem.scratch, g, t, role);
-      }
-      warpgroup::mma_async_wait<0>();  // on every path (ptxas injects one before finish otherwise)
-      if (steps > 0) release(b);
-      K::finish(state, smem.scratch, g, t, role);
     };
     auto run_task = [&](const typename K::task_t& t) {
       if constexpr (staggered_pairs<K>()) {
@@ -345,21 +362,42 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       int own = t.iters;
       if constexpr (requires { K::own_iters(g, t, role); }) own = K::own_iters(g, t, role);
       int previous = -1;
+      // reads_raw_stage: the raw ring's stage of the same step (both rings advance a stage a step), handed to
+      // compute beside the converted one and freed right after that compute.
+      auto on_stage = [&](auto&& compute_on) {
+        if constexpr (reads_raw_stage<K>()) {
+          wait(full[rstage], rphase);  // landed (the converting warps saw it): makes TMA's bytes visible here too
+          both_stages<typename K::input_block, typename K::converted_block> in{smem.ring[rstage], cring[stage]};
+          compute_on(in);
+        } else {
+          compute_on(cring[stage]);
+        }
+      };
+      auto release_raw = [&] {
+        if constexpr (reads_raw_stage<K>()) {
+          if (laneid() == 0) arrive(empty[rstage]);
+          if (++rstage == K::stages) rstage = 0, rphase ^= 1;
+        }
+      };
       // The first stage is peeled off so that the steady-state body has no branch around its wgmma
       // (the compiler cannot tell that `it` is uniform and would serialize the products otherwise).
       if (own > 0) {
         step_stage([&] {
-          if constexpr (requires { K::compute_first(state, cring[stage], smem.scratch, g, t, role); })
-            K::compute_first(state, cring[stage], smem.scratch, g, t, role);
-          else
-            K::compute(state, cring[stage], smem.scratch, g, t, 0, role);
+          on_stage([&](auto& in) {
+            if constexpr (requires { K::compute_first(state, in, smem.scratch, g, t, role); })
+              K::compute_first(state, in, smem.scratch, g, t, role);
+            else
+              K::compute(state, in, smem.scratch, g, t, 0, role);
+          });
         });
+        release_raw();
         if constexpr (release_lag<K>() == 0) release(stage);
         previous = stage;
         if (++stage == cstages) stage = 0, phase ^= 1;
       }
       for (int it = 1; it < own; it++) {
-        step_stage([&] { K::compute(state, cring[stage], smem.scratch, g, t, it, role); });
+        step_stage([&] { on_stage([&](auto& in) { K::compute(state, in, smem.scratch, g, t, it, role); }); });
+        release_raw();
         if constexpr (release_lag<K>() == 0) release(stage);
         else release(previous);
         previous = stage;
@@ -375,6 +413,10 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
           wait(cfull[stage], phase);
           K::sit_out(role);
           release(stage);
+          if constexpr (reads_raw_stage<K>()) {
+            wait(full[rstage], rphase);
+            release_raw();
+          }
           if (++stage == cstages) stage = 0, phase ^= 1;
         }
       }
@@ -439,6 +481,13 @@ void launch(const typename K::globals& g, int grid, cudaStream_t stream) {
   TK_CUDA_CHECK(cudaGetDevice(&device));
   static bool configured[64] = {};  // the shared-memory opt-in is per device
   if (device >= 64 || !configured[device]) {
+    // The static_assert allows the kernel 128 static bytes; a kernel whose hooks declare more (e.g. a schedule's
+    // scratch) is caught here, by name, rather than as cudaFuncSetAttribute's "invalid argument".
+    cudaFuncAttributes attributes{};
+    TK_CUDA_CHECK(cudaFuncGetAttributes(&attributes, fn));
+    if (attributes.sharedSizeBytes + shared_bytes<K> > 227 * 1024)
+      throw std::runtime_error("lcsf kernel: " + std::to_string(attributes.sharedSizeBytes) + " static + " +
+                               std::to_string(shared_bytes<K>) + " dynamic bytes of shared memory exceed 227 KB");
     TK_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared_bytes<K>)));
     if (device < 64) configured[device] = true;
   }
