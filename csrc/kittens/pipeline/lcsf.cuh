@@ -131,6 +131,11 @@ template <typename Raw, typename Converted> struct both_stages {
   const Raw& raw;
   Converted& converted;
 };
+// The block compute reads: the consumers' ring stage, or both_stages (named only where the kernel reads both).
+template <typename K, typename Ring, bool = reads_raw_stage<K>()> struct compute_input { using type = Ring; };
+template <typename K, typename Ring> struct compute_input<K, Ring, true> {
+  using type = both_stages<typename K::input_block, typename K::converted_block>;
+};
 // The warps that convert (converts<K>): the producer warpgroup's warps 1-3, beside the one thread that loads.
 inline constexpr int CONVERTER_WARPS = WARPGROUP_WARPS - 1;
 inline constexpr int CONVERTER_THREADS = CONVERTER_WARPS * WARP_THREADS;
@@ -379,15 +384,18 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
           if (++rstage == K::stages) rstage = 0, rphase ^= 1;
         }
       };
+      // What compute reads (checked here, outside on_stage's generic lambda, where nvcc takes a missing member for
+      // an error rather than an unmet requirement).
+      using compute_in = typename compute_input<K, std::remove_reference_t<decltype(cring[0])>>::type;
+      constexpr bool has_compute_first =
+          requires(compute_in& in) { K::compute_first(state, in, smem.scratch, g, t, role); };
       // The first stage is peeled off so that the steady-state body has no branch around its wgmma
       // (the compiler cannot tell that `it` is uniform and would serialize the products otherwise).
       if (own > 0) {
         step_stage([&] {
           on_stage([&](auto& in) {
-            if constexpr (requires { K::compute_first(state, in, smem.scratch, g, t, role); })
-              K::compute_first(state, in, smem.scratch, g, t, role);
-            else
-              K::compute(state, in, smem.scratch, g, t, 0, role);
+            if constexpr (has_compute_first) K::compute_first(state, in, smem.scratch, g, t, role);
+            else K::compute(state, in, smem.scratch, g, t, 0, role);
           });
         });
         release_raw();
