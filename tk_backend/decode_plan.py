@@ -353,10 +353,11 @@ KV64_STEP_CHUNKS = (1024, 4096)
 @functools.lru_cache(maxsize=256)
 def kv_tile(plan: DecodePlan, balanced: bool) -> int:
     """The decode kernel's K/V tile for `plan` (64 or 128 keys; see KV64_STEP_CHUNKS). Over FP8 caches the D=128
-    kernel has 64-key tiles only (csrc/kernels/decode/policy.cuh: its converted ring of 128-key tiles would not fit)."""
+    kernel for an e4m3 query has both (a 16-bit query's runs 64-key tiles at either: its converted ring of 128-key
+    tiles would not fit, csrc/kernels/decode/policy.cuh)."""
     if plan.head_dim != 128:
         return 128
-    if balanced or plan.kv_dtype != "16bit":
+    if balanced:
         return 64
     lo, hi = KV64_STEP_CHUNKS
     return 64 if lo <= full_length_step_chunk(plan) <= hi else 128

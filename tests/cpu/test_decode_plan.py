@@ -387,7 +387,8 @@ def test_kv_tile_follows_the_full_length_step_chunk(batch, context, tile):
     other = decode_plan.make_plan(batch, context, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200")
     assert decode_plan.kv_tile(other, True) == 128  # 64-key tiles exist at head dim 128 only
     fp8 = decode_plan.make_plan(batch, context, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200", kv_dtype="fp8_e4m3")
-    assert decode_plan.kv_tile(fp8, False) == 64  # the fp8 kernel's only D=128 tile
+    lo, hi = decode_plan.KV64_STEP_CHUNKS  # the same rule over fp8 caches (its e4m3-query kernel has both tiles)
+    assert decode_plan.kv_tile(fp8, False) == (64 if lo <= decode_plan.full_length_step_chunk(fp8) <= hi else 128)
 
 
 def test_no_coarsening_when_splits_are_forced_or_each_slot_has_a_cta():

@@ -128,7 +128,7 @@ _MANY = list(range(40, 64 * 97, 97))  # 64 sequences of 40 .. 6151 keys
 @pytest.mark.parametrize("contexts,width,num_splits,expect", [
     ([5000, 3, 7000, 120], 8192, 8, ("direct", 64)),         # few items: a CTA each
     (_MANY, 8192, 4, ("scheduled", 64)),                     # each CTA works out its range
-    (_MANY + _MANY[:16], 8192, 1, ("scheduled", 64)),        # one item a sequence (64-key tiles over fp8 too)
+    (_MANY + _MANY[:16], 8192, 1, ("scheduled", 128)),       # one item a sequence (a 16-bit q: 64-key tiles)
     ([100_000, 17], 131072, 0, ("balanced", 64)),            # one long sequence in a wide table
 ])
 def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
@@ -245,6 +245,7 @@ def test_fp8_query_decode_window_softcap_scales(d, window, softcap, seed):
 @pytest.mark.parametrize("contexts,width,num_splits", [
     ([5000, 3, 7000, 120], 8192, 8),   # direct
     (_MANY, 8192, 4),                  # self-scheduled
+    (_MANY + _MANY[:16], 8192, 1),     # self-scheduled, 128-key tiles
     ([100_000, 17], 131072, 0),        # balanced
 ])
 def test_fp8_query_decode_modes(contexts, width, num_splits, seed):

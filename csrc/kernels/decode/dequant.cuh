@@ -47,20 +47,27 @@ __device__ __forceinline__ void dequantize(const Dst& dst_tile, const Src& src_t
     for (int j = 0; j < PER_ATOM; j++) {
       const int pos = whole ? thread % ATOM : thread + j * USED, r = pos / U, c = (pos % U) * 16;
       const uint32_t s0 = src.addr(r, c), d0 = dst.addr(r, c), d1 = dst.addr(r, c + 8);
-      uint4 x[TRIPS];  // every load first: a store might alias a later load's address for all the compiler knows
+      // Every load of a batch first (a store might alias a later load's address for all the compiler knows); at
+      // most 8 in flight, which 96 registers hold (16, a 128-row tile's, spilled).
+      constexpr int BATCH = TRIPS < 8 ? TRIPS : 8;
 #pragma unroll
-      for (int a = 0; a < TRIPS; a++)
-        if (ATOMS % ATOM_STEP == 0 || first + a * ATOM_STEP < ATOMS)
-          x[a] = detail::ld_shared_16B<fp8e4m3>(s0 + (first + a * ATOM_STEP) * src_atom);
+      for (int a0 = 0; a0 < TRIPS; a0 += BATCH) {
+        uint4 x[BATCH];
 #pragma unroll
-      for (int a = 0; a < TRIPS; a++) {
-        const int atom = first + a * ATOM_STEP;
-        if (ATOMS % ATOM_STEP != 0 && atom >= ATOMS) break;
-        if (decltype(check_rows)::value && 8 * atom + r >= valid_rows) x[a] = uint4{0, 0, 0, 0};
-        const uint2 lo = e4m3x4_to_half(x[a].x), hi = e4m3x4_to_half(x[a].y);
-        const uint2 lo2 = e4m3x4_to_half(x[a].z), hi2 = e4m3x4_to_half(x[a].w);
-        detail::st_shared_16B(d0 + atom * dst_atom, uint4{lo.x, lo.y, hi.x, hi.y});
-        detail::st_shared_16B(d1 + atom * dst_atom, uint4{lo2.x, lo2.y, hi2.x, hi2.y});
+        for (int a = a0; a < a0 + BATCH && a < TRIPS; a++)
+          if (ATOMS % ATOM_STEP == 0 || first + a * ATOM_STEP < ATOMS)
+            x[a - a0] = detail::ld_shared_16B<fp8e4m3>(s0 + (first + a * ATOM_STEP) * src_atom);
+#pragma unroll
+        for (int a = a0; a < a0 + BATCH && a < TRIPS; a++) {
+          const int atom = first + a * ATOM_STEP;
+          if (ATOMS % ATOM_STEP != 0 && atom >= ATOMS) break;
+          uint4& u = x[a - a0];
+          if (decltype(check_rows)::value && 8 * atom + r >= valid_rows) u = uint4{0, 0, 0, 0};
+          const uint2 lo = e4m3x4_to_half(u.x), hi = e4m3x4_to_half(u.y);
+          const uint2 lo2 = e4m3x4_to_half(u.z), hi2 = e4m3x4_to_half(u.w);
+          detail::st_shared_16B(d0 + atom * dst_atom, uint4{lo.x, lo.y, hi.x, hi.y});
+          detail::st_shared_16B(d1 + atom * dst_atom, uint4{lo2.x, lo2.y, hi2.x, hi2.y});
+        }
       }
     }
   };

@@ -94,7 +94,8 @@ constexpr policy policy_of(variant v) {
   constexpr bool fp8 = F == flavour::fp8_kv || F == flavour::fp8_kv_sinks || F == flavour::fp8_kv_ragged_head_dim;
   policy p = v == variant::d64 ? d64 : v == variant::d128 ? d128 : v == variant::d128_kv64 ? d128_kv64 : d256;
   if (fp8) p = v == variant::d64 ? d64_fp8 : v == variant::d256 ? d256_fp8 : d128_kv64_fp8;  // policy.cuh: D=128
-  if (F == flavour::fp8_qk) p = v == variant::d64 ? d64_fp8q : v == variant::d256 ? d256_fp8q : d128_kv64_fp8q;
+  if (F == flavour::fp8_qk)
+    p = v == variant::d64 ? d64_fp8q : v == variant::d256 ? d256_fp8q : v == variant::d128 ? d128_fp8q : d128_kv64_fp8q;
   if (F == flavour::sinks || F == flavour::fp8_kv_sinks) p = with_sinks(p);
   if (F == flavour::ragged_head_dim || F == flavour::fp8_kv_ragged_head_dim) p = with_ragged_head_dim(p);
   return p;

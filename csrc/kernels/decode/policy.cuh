@@ -51,9 +51,12 @@ inline constexpr policy d256{.head_dim = 256, .kv_rows = 48, .stages = 3};
 inline constexpr policy d64_fp8 = with_fp8_kv(d64, 6);
 inline constexpr policy d128_kv64_fp8 = with_fp8_kv(d128_kv64, 6);
 inline constexpr policy d256_fp8 = with_fp8_kv({.head_dim = 256, .kv_rows = 32, .stages = 4}, 4);
-// With an e4m3 query (decode_fp8q.cu): 1-byte raw stages, 16-bit V stages and a 1-byte query tile.
+// With an e4m3 query (decode_fp8q.cu): 1-byte raw stages, 16-bit V stages and a 1-byte query tile; at D=128 both
+// tiles, as at 16 bits (128-key tiles: 5-6% faster on long items, docs/findings/decode.md#decode-fp8-query).
 inline constexpr policy d64_fp8q = with_fp8_qk(d64, 8, 4);
 inline constexpr policy d128_kv64_fp8q = with_fp8_qk(d128_kv64, 8, 4);
+// 128-key tiles (decode_plan.kv_tile's choice for long items, as at 16 bits): 3 raw + 3 V stages.
+inline constexpr policy d128_fp8q = with_fp8_qk(d128, 3, 3);
 inline constexpr policy d256_fp8q = with_fp8_qk(d256, 5, 3);
 
 // Where a CTA's range of the static schedule comes from. A kernel that can work it out carries the scheduling code,
