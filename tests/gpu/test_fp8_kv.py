@@ -427,6 +427,8 @@ def test_fp8_bindings_check_their_arguments():
 
 
 def _binding_checks() -> None:
+    import faulthandler
+    faulthandler.enable()  # a crash prints the Python frame it happened in (the SIGSEGV's call is still unknown)
     assert tk_backend.extension_available()
     kv = (torch.randn(8, 16, 2, 256, device="cuda")).to(torch.float8_e4m3fn)
     k, v = kv[..., :128], kv[..., 128:]
@@ -440,9 +442,12 @@ def _binding_checks() -> None:
     def decode(k_cache, v_cache, **descales):
         print(f"attn_decode: {k_cache.dtype} / {v_cache.dtype} caches, descales "
               f"{ {n: (tuple(x.shape), x.dtype) for n, x in descales.items()} }", flush=True)
-        torch.ops.tk.attn_decode(q, k_cache, v_cache, seqlens, table, ws.work_items, ws.cta_start, ws.partial_out,
-                                 ws.partial_lse, 256, 64, 0, False, 128, False, 0.1, True, -1, -1, 0.0, None, out,
-                                 lse, **descales)
+        try:
+            torch.ops.tk.attn_decode(q, k_cache, v_cache, seqlens, table, ws.work_items, ws.cta_start,
+                                     ws.partial_out, ws.partial_lse, 256, 64, 0, False, 128, False, 0.1, True, -1, -1,
+                                     0.0, None, out, lse, **descales)
+        finally:
+            print("  returned (or raised)", flush=True)
 
     scale = torch.ones(3, 2, device="cuda")
     with pytest.raises(RuntimeError, match="e5m2 KV caches are not supported"):
