@@ -62,3 +62,11 @@ def test_tensor_core_kernels_neither_spill_nor_serialize_their_products(kernels)
               for name, lines in tensor.items()}  # (fences, products)
     serialized = {k: v for k, v in fences.items() if 2 * v[0] > v[1]}
     assert not serialized, serialized
+
+
+def test_fp8_query_decode_multiplies_in_fp8(kernels):
+    """Decode over an fp8 cache with vLLM's e4m3 query computes Q K^T on the cache's own tiles with e4m3 wgmma
+    (QGMMA ... E4M3.E4M3): 16 kernels (D = 64, 128 on 64- and 128-key tiles, 256; bf16 / fp16 out; two schedule
+    sources), all decode's (docs/findings/decode.md#decode-fp8-query)."""
+    fp8 = [name for name, lines in kernels.items() if any("QGMMA" in x and "E4M3.E4M3" in x for x in lines)]
+    assert len(fp8) == 16 and all("decode" in name for name in fp8), [name[:120] for name in fp8]
