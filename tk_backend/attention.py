@@ -221,8 +221,12 @@ def _bool(value: object, name: str) -> bool:
 
 
 def _out(out: object, q: torch.Tensor, expected: tuple[int, ...]) -> torch.Tensor:
-    out = _checks.tensor(out, "out")
-    _checks.same_dtype(out, q, "out", "q")
+    """out: q's dtype (an e4m3 q's out: bf16 or fp16), device and the expected shape, addressable."""
+    if q.dtype == torch.float8_e4m3fn:
+        out = _checks.tensor(out, "out", dtypes=_checks.HALF_TYPES)
+    else:
+        out = _checks.tensor(out, "out")
+        _checks.same_dtype(out, q, "out", "q")
     _checks.same_device(out, q, "out", "q")
     _checks.shape(out, "out", expected)
     _addressable(out, "out")
@@ -391,12 +395,7 @@ def validate_decode(
     _decode_block_table(block_table, batch, q, "q")
     _paged_cache(k_cache, v_cache, "k_cache", "v_cache")
     _int(num_splits, "num_splits", 0)
-    if out is not None and fp8_query:  # out: bf16 or fp16, the output's dtype
-        _checks.tensor(out, "out", dtypes=_checks.HALF_TYPES)
-        _checks.same_device(out, q, "out", "q")
-        _checks.shape(out, "out", tuple(q.shape))
-        _addressable(out, "out")
-    elif out is not None:
+    if out is not None:
         _out(out, q, tuple(q.shape))
     validate_descales(q_descale, k_descale, v_descale, k_cache, batch, q, "k_cache")
     _bool(causal, "causal")

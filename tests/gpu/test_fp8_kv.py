@@ -131,17 +131,25 @@ _MANY = list(range(40, 64 * 97, 97))  # 64 sequences of 40 .. 6151 keys
     (_MANY + _MANY[:16], 8192, 1, ("scheduled", 128)),       # one item a sequence (a 16-bit q: 64-key tiles)
     ([100_000, 17], 131072, 0, ("balanced", 64)),            # one long sequence in a wide table
 ])
-def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
-    """Every schedule the split kernel runs (direct, self-scheduled, balanced) over fp8 (64-key tiles at D=128)."""
-    rng = random.Random(seed)
+def _planned_step(rng, contexts, width, num_splits):
+    """A bf16 query (2 kv heads, groups of 4, D=128) over an fp8 cache of block size 16 whose table is `width` keys
+    wide (unused columns: page 0), and its PagedDecode plan: (q, k, v, seqlens, table, decode)."""
     block_size, hkv, group, d = 16, 2, 4, 128
     k, v, table = _fp8_cache(rng, contexts, block_size, hkv, d)
-    table = torch.nn.functional.pad(table, (0, width // block_size - table.shape[1]))  # unused columns: page 0
+    table = torch.nn.functional.pad(table, (0, width // block_size - table.shape[1]))
     q = torch.randn(len(contexts), 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     decode = attention.PagedDecode(attention.DecodeWorkspacePool()).plan(
         seqlens, table, num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=d, page_size=block_size,
         num_splits=num_splits, kv_cache_dtype=k.dtype)
+    return q, k, v, seqlens, table, decode
+
+
+def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
+    """Every schedule the split kernel runs (direct, self-scheduled, balanced) over fp8 (64-key tiles at D=128)."""
+    rng = random.Random(seed)
+    q, k, v, seqlens, table, decode = _planned_step(rng, contexts, width, num_splits)
+    hkv = k.shape[2]
     plan = decode.split_plan
     mode = "balanced" if decode.balanced else "direct" if plan.max_items <= plan.num_ctas else "scheduled"
     assert (mode, decode.kv_tile) == expect, plan
@@ -252,15 +260,9 @@ def test_fp8_query_decode_modes(contexts, width, num_splits, seed):
     """Every schedule over the e4m3 product, each run twice (the second reuses the schedule), through PagedDecode
     with vLLM's per-tensor scales."""
     rng = random.Random(seed)
-    block_size, hkv, group, d = 16, 2, 4, 128
-    k, v, table = _fp8_cache(rng, contexts, block_size, hkv, d)
-    table = torch.nn.functional.pad(table, (0, width // block_size - table.shape[1]))
-    q = torch.randn(len(contexts), 1, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v, seqlens, table, decode = _planned_step(rng, contexts, width, num_splits)
+    hkv = k.shape[2]
     q8, q_descale = _quantize_query(q, rng, hkv)
-    seqlens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    decode = attention.PagedDecode(attention.DecodeWorkspacePool()).plan(
-        seqlens, table, num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=d, page_size=block_size,
-        num_splits=num_splits, kv_cache_dtype=k.dtype)
     scales = {name: _descales("tensor", len(contexts), hkv, rng) for name in ("k_descale", "v_descale")}
     out = torch.full_like(q, float("nan"))
     for _ in range(2):
