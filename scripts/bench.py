@@ -32,7 +32,10 @@ def draw_picture(results: pathlib.Path) -> None:
         return
     from plot_results import plot
 
-    print(f"drew {plot(results, results.with_suffix('.png'))}")
+    try:
+        print(f"drew {plot(results, results.with_suffix('.png'))}")
+    except ValueError as e:  # e.g. a tk-only run (scripts/ab.py's, no peer present): the rows still count
+        print(f"not drawn: {e}")
 
 
 def main() -> int:

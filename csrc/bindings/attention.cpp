@@ -90,7 +90,7 @@ void attn_varlen_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t d = q.size(2);
   chk::attention_head_dim(d);
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, "k and v must have head dim ", d);
-  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ", out.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", chk::shape(q), ", got ", chk::shape(out));
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
               "lse must be float32 [", q.size(1), ", ", q.size(0), "]");
   TORCH_CHECK(lse.stride(1) == 1, "lse must be contiguous in its last dimension");

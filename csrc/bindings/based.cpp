@@ -23,7 +23,7 @@ void head_dims(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 float* state_ptr(const at::Tensor& t, const at::Tensor& q, at::IntArrayRef shape, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   chk::same_device(t, q, name, "q");
-  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", chk::shape(shape), ", got ", chk::shape(t));
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   return t.data_ptr<float>();
 }
@@ -53,9 +53,9 @@ at::Tensor based_prefill(const at::Tensor& q, const at::Tensor& k, const at::Ten
   chk::like(v, q, "v", "q");
   head_dims(q, k, v);
   const int64_t B = q.size(0), N = q.size(1), H = q.size(2), dv = v.size(3);
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape ", chk::shape(q), ", got ", chk::shape(k));
   TORCH_CHECK(v.size(0) == B && v.size(1) == N && v.size(2) == H, "v must be [", B, ", ", N, ", ", H, ", Dv], got ",
-              v.sizes());
+              chk::shape(v));
   chk::tma_rows(q, "q");
   chk::tma_rows(k, "k");
   chk::tma_rows(v, "v");
@@ -102,8 +102,8 @@ at::Tensor based_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   chk::like(v, q, "v", "q");
   head_dims(q, k, v);
   const int64_t B = q.size(0), H = q.size(1), dv = v.size(2);
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.size(0) == B && v.size(1) == H, "v must be [", B, ", ", H, ", Dv], got ", v.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape ", chk::shape(q), ", got ", chk::shape(k));
+  TORCH_CHECK(v.size(0) == B && v.size(1) == H, "v must be [", B, ", ", H, ", Dv], got ", chk::shape(v));
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k and v must be contiguous in their last dimension");
   const char* names[3] = {"state.zeroth", "state.first", "state.second"};
   const tk::based_state state = state_of(zeroth, first, second, q, B, H, dv + 1, names);

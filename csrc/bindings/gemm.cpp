@@ -19,8 +19,8 @@ void gemm_out(const at::Tensor& a, const at::Tensor& b, bool trans_b, at::Tensor
   chk::like(out, a, "out", "a");
   const int64_t m = a.size(0), k = a.size(1), n = trans_b ? b.size(0) : b.size(1);
   TORCH_CHECK((trans_b ? b.size(1) : b.size(0)) == k, "b's reduction dimension must equal a.shape[1] = ", k,
-              ", got b of shape ", b.sizes(), (trans_b ? " with trans_b=True" : ""));
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must have shape [", m, ", ", n, "], got ", out.sizes());
+              ", got b of shape ", chk::shape(b), (trans_b ? " with trans_b=True" : ""));
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "out must have shape [", m, ", ", n, "], got ", chk::shape(out));
   TORCH_CHECK(m >= 1 && n >= 1 && k >= 1, "gemm needs M, N, K >= 1, got ", m, ", ", n, ", ", k);
   TORCH_CHECK(m < (1L << 31) && n < (1L << 31) && k < (1L << 31), "gemm dimensions must be below 2^31");
   chk::tma_rows(a, "a");

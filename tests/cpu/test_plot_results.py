@@ -42,3 +42,15 @@ def test_plot_writes_a_png(tmp_path):
     png = plot_results.plot(results, tmp_path / "out" / "h200.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+def test_a_tk_only_run_is_not_drawn_and_does_not_fail(tmp_path, capsys):
+    """scripts/ab.py's bench runs time tk alone (no peer present): bench.py must still exit 0 with its rows written
+    (its picture step raised, the run counted as failed and every A/B of a session's call was lost)."""
+    import bench
+
+    results = tmp_path / "ab.json"
+    results.write_text(json.dumps({**RESULTS, "results": [r for r in RESULTS["results"] if r["impl"] == "tk"]}))
+    bench.draw_picture(results)
+    assert not results.with_suffix(".png").exists()
+    assert "not drawn" in capsys.readouterr().out

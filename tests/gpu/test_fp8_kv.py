@@ -125,12 +125,6 @@ def test_fp8_decode_sinks(seed):
 _MANY = list(range(40, 64 * 97, 97))  # 64 sequences of 40 .. 6151 keys
 
 
-@pytest.mark.parametrize("contexts,width,num_splits,expect", [
-    ([5000, 3, 7000, 120], 8192, 8, ("direct", 64)),         # few items: a CTA each
-    (_MANY, 8192, 4, ("scheduled", 64)),                     # each CTA works out its range
-    (_MANY + _MANY[:16], 8192, 1, ("scheduled", 128)),       # one item a sequence (a 16-bit q: 64-key tiles)
-    ([100_000, 17], 131072, 0, ("balanced", 64)),            # one long sequence in a wide table
-])
 def _planned_step(rng, contexts, width, num_splits):
     """A bf16 query (2 kv heads, groups of 4, D=128) over an fp8 cache of block size 16 whose table is `width` keys
     wide (unused columns: page 0), and its PagedDecode plan: (q, k, v, seqlens, table, decode)."""
@@ -145,6 +139,12 @@ def _planned_step(rng, contexts, width, num_splits):
     return q, k, v, seqlens, table, decode
 
 
+@pytest.mark.parametrize("contexts,width,num_splits,expect", [
+    ([5000, 3, 7000, 120], 8192, 8, ("direct", 64)),         # few items: a CTA each
+    (_MANY, 8192, 4, ("scheduled", 64)),                     # each CTA works out its range
+    (_MANY + _MANY[:16], 8192, 1, ("scheduled", 128)),       # one item a sequence (a 16-bit q: 64-key tiles)
+    ([100_000, 17], 131072, 0, ("balanced", 64)),            # one long sequence in a wide table
+])
 def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
     """Every schedule the split kernel runs (direct, self-scheduled, balanced) over fp8 (64-key tiles at D=128)."""
     rng = random.Random(seed)
