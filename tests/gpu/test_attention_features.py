@@ -1,5 +1,5 @@
-"""Attention sinks, every head size FA3 serves (multiples of 8 up to 256) and bidirectional attention, prefill and
-decode, against the float32 reference, into NaN-poisoned outputs."""
+"""Attention sinks, small sliding windows (D=64's window kernel), every head size FA3 serves (multiples of 8 up to 256)
+and bidirectional attention, prefill and decode, against the float32 reference, into NaN-poisoned outputs."""
 from __future__ import annotations
 
 import random
@@ -56,6 +56,85 @@ def test_prefill_sinks(d, causal, window, dtype, seed):
     sinks = _sinks(q.shape[1], rng)
     _prefill(q, k, v, lq, lk, f"sinks d={d} causal={causal} window={window} {dtype} lq={lq} seed={seed}",
              causal=causal, window_size=window, sinks=sinks)
+
+
+# D=64 under a window of at most 128 keys besides a query's own runs d64_window (prefill/policy.cuh): each consumer
+# computes only the tiles its 64 rows see, starting at a tile's second half or ending at its first where they see
+# no more. Windows on both sides of that bound (129, 64 + 65: the overlapped kernel) and of the half-tile edges,
+# causal or with a right window, and the keys per query equal to, 1 over or 1 under a multiple of 64.
+SMALL_WINDOWS = [(True, (0, 0)), (True, (1, 0)), (True, (63, 0)), (True, (64, 0)), (True, (65, 0)), (True, (127, 0)),
+                 (True, (128, 0)), (True, (129, 0)), (True, (64, 37)), (False, (63, 64)), (False, (64, 64)),
+                 (False, (0, 128)), (False, (127, 0)), (False, (1, 1)), (False, (64, 65))]
+
+
+def _small_window_lengths(rng: random.Random) -> tuple[list[int], list[int]]:
+    """Query lengths around multiples of 64 and 192 (a task's rows) and random ones; keys as many, a few more (the
+    diagonal off a half tile's edge), many more (chunked prefill), or fewer (the first rows see no key)."""
+    lq = [1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 385] + [rng.randint(1, 1500) for _ in range(9)]
+    rng.shuffle(lq)
+    lk = [max(1, n + rng.choice([0, 0, 1, 15, 37, 64, 300, -5, -70])) for n in lq]
+    return lq, lk
+
+
+@pytest.mark.parametrize("causal,window", SMALL_WINDOWS)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_prefill_small_windows(causal, window, sinks, seed):
+    rng = random.Random(seed)
+    lq, lk = _small_window_lengths(rng)
+    hkv, group, d = 2, 8, 64  # gpt-oss's GQA
+    q = torch.randn(sum(lq), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lk), hkv, d, device="cuda", dtype=torch.bfloat16)
+    _prefill(q, k, v, lq, lk, f"small window causal={causal} window={window} sinks={sinks} lq={lq} lk={lk} "
+             f"seed={seed}", causal=causal, window_size=window, sinks=_sinks(hkv * group, rng) if sinks else None)
+
+
+@pytest.mark.parametrize("window", [(127, 0), (128, 0), (64, 0)])
+@pytest.mark.parametrize("boost", [60.0, 2000.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_small_window_jumps(window, boost, dtype, seed):
+    """Strong keys all over the windows (so in half tiles at both ends of a consumer's): the running max jumps in a
+    consumer's later tile, whose fast softmax hands it to the exact step (60) or overflows (2000); the exact step's
+    S must be the half tile's own keys."""
+    rng = random.Random(seed)
+    lq, lk = _small_window_lengths(rng)
+    q = torch.randn(sum(lq), 8, 64, device="cuda", dtype=dtype)
+    k = torch.randn(sum(lk), 2, 64, device="cuda", dtype=dtype)
+    v = torch.randn(sum(lk), 2, 64, device="cuda", dtype=dtype)
+    start = 0
+    for n in lk:
+        for pos in rng.sample(range(n), min(n, max(1, n // 40))):
+            k[start + pos] *= boost
+        start += n
+    _prefill(q, k, v, lq, lk, f"small window jumps window={window} boost={boost} {dtype} lq={lq} lk={lk} seed={seed}",
+             causal=True, window_size=window)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("window", [(127, 0), (128, 0), (33, 0)])
+def test_prefill_small_windows_paged(block_size, window, seed):
+    """gpt-oss's windowed layers as vLLM runs them: chunked prefill over a paged cache (shuffled pages), sinks."""
+    rng = random.Random(seed)
+    hkv, group, d = 2, 8, 64
+    lq = [rng.randint(1, 700) for _ in range(5)] + [1, 192]
+    lk = [n + rng.choice([0, 3, rng.randint(0, 900)]) for n in lq]
+    max_blocks = max(-(-n // block_size) for n in lk) + 1
+    num_blocks = len(lq) * max_blocks + 3
+    kv = torch.randn(num_blocks, block_size, hkv, 2 * d, device="cuda", dtype=torch.bfloat16)  # vLLM's K|V layout
+    k_cache, v_cache = kv[..., :d], kv[..., d:]
+    table = torch.randperm(num_blocks, device="cuda")[: len(lq) * max_blocks].to(torch.int32).view(len(lq), -1)
+    q = torch.randn(sum(lq), hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    seqused = torch.tensor(lk, dtype=torch.int32, device="cuda")
+    kw = dict(causal=True, window_size=window, sinks=_sinks(hkv * group, rng))
+    out = torch.full_like(q, float("nan"))
+    _, lse = tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, _cu(lq), None, max(lq), max(lk), out=out,
+                                               block_table=table.contiguous(), seqused_k=seqused,
+                                               return_softmax_lse=True, **kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference.attention(q, k_cache, v_cache, _cu(lq), None, block_table=table, seqused_k=seqused,
+                                           **kw)
+    _check(out, lse, ref_out, ref_lse, f"small window paged bs={block_size} window={window} lq={lq} lk={lk} "
+           f"seed={seed}")
 
 
 @pytest.mark.parametrize("d", RAGGED_HEAD_DIMS)

@@ -37,18 +37,19 @@ struct prefill_consumer {
 
   // Online softmax of one score tile in place (att becomes the unnormalised probabilities); updates the running max
   // and sum and leaves in s.rescale the factor the accumulated output must take. Later: a task's later tiles (their
-  // fast step recomputes S from K's stage and the queries, still held), else its first.
+  // fast step recomputes S from K's stage and the queries, still held), else its first. att holds the tile's keys
+  // from its Tile::cols-key block `block` on (a half tile's: see keys).
   template <bool Later, typename Tile>
   __device__ static void softmax(consumer_state& s, Tile& att, scratch_block& scratch, const input_block& in,
-                                 const globals& g, const task_t& t, int it, int wg) {
-    const int row0 = S::rows_of(t, wg), col0 = (t.first + it) * KV;
+                                 const globals& g, const task_t& t, int it, int wg, int block = 0) {
+    const int row0 = S::rows_of(t, wg), col0 = (t.first + it) * KV + block * Tile::cols;
     const auto vis = S::visibility(g, t);
     const auto masked = [&] {
       if constexpr (P.mask_once) return s.mask.masks(col0);
       else return vis.partial(row0, Tile::rows, col0, Tile::cols);
     };
     const auto recompute = [&](Tile& a) {
-      warpgroup::mm_ABt(a, scratch.q[wg], L::template keys<Tile::cols>(in));
+      warpgroup::mm_ABt(a, scratch.q[wg], L::template keys<Tile::cols>(in, block));
       warpgroup::mma_async_wait<0>();
     };
     const auto group_all = [wg](bool pred) { return warpgroup::all(1 + wg, pred); };
@@ -77,14 +78,19 @@ struct prefill_consumer {
   __device__ static void free_queries(scratch_block& scratch, const consumer_state& s, const task_t& t, int it, int wg) {
     if constexpr (P.queries_ahead) {
       if (it != S::last_tile(s, t)) return;
-      if constexpr (P.warp_epilogue) {  // each warp, once its part of S has read them
-        __syncwarp();
-        if (laneid() == 0) arrive(scratch.q_free[wg]);
-        return;
-      }
-      warpgroup::sync(1 + wg);  // every warp's part of S has read them
-      if (warpgroup::thread() == 0) arrive(scratch.q_free[wg]);
+      release_queries(scratch, wg);
     }
+  }
+  __device__ static void release_queries(scratch_block& scratch, int wg)
+    requires(P.queries_ahead)
+  {
+    if constexpr (P.warp_epilogue) {  // each warp, once its part of S has read them
+      __syncwarp();
+      if (laneid() == 0) arrive(scratch.q_free[wg]);
+      return;
+    }
+    warpgroup::sync(1 + wg);  // every warp's part of S has read them
+    if (warpgroup::thread() == 0) arrive(scratch.q_free[wg]);
   }
 
   // A task's first tile: the queries (loaded here unless queries_ahead), then S_0 alone.
@@ -111,9 +117,17 @@ struct prefill_consumer {
       if (!S::idle(t, wg)) {
         const auto [begin, end] = S::key_range(g, t, t.row0 + wg * QROWS, QROWS);
         if (end > begin) {
-          s.seen_lo = begin / KV - t.first;
-          s.seen_hi = ceil_div(end, KV) - t.first;
+          if constexpr (P.half_ends) {  // in half tiles
+            s.seen_lo = begin / HALF - 2 * t.first;
+            s.seen_hi = ceil_div(end, HALF) - 2 * t.first;
+          } else {
+            s.seen_lo = begin / KV - t.first;
+            s.seen_hi = ceil_div(end, KV) - t.first;
+          }
         }
+      }
+      if constexpr (P.queries_ahead) {  // queries read, but no key seen (lk < lq): no S will free them
+        if (s.seen_hi == 0 && S::reads_queries(t, wg)) release_queries(scratch, wg);
       }
       serial_tile</*Later=*/false>(s, in, scratch, g, t, 0, wg);
       return;
@@ -165,26 +179,42 @@ struct prefill_consumer {
   }
 
   // Serial order: tile `it`'s scores, softmax and P V, all done on return; a consumer skips the tiles none of its
-  // rows sees (seen_lo / seen_hi), keeping its turn. Its rows past the sequence's end are zeroed in V first on the
-  // last tile (see drain).
+  // rows sees (seen_lo / seen_hi), keeping its turn, and with half_ends runs the half of a tile its rows see alone.
   template <bool Later>
   __device__ static void serial_tile(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
                                      const task_t& t, int it, int wg) {
-    s_tile att;
     warpgroup::sync_with(TURN + wg, BOTH);
+    if constexpr (P.half_ends) {
+      // The tile's halves [lo, hi) that this consumer's rows see: both, one (the first of its tiles may start at the
+      // second half, the last end at the first), or none.
+      const int lo = max(s.seen_lo - 2 * it, 0), hi = min(s.seen_hi - 2 * it, 2);
+      if (hi - lo == 1) return serial_keys<Later, HALF>(s, in, scratch, g, t, it, wg, lo);
+      if (hi - lo == 2) return serial_keys<Later, KV>(s, in, scratch, g, t, it, wg);
+      warpgroup::arrive_at(L::next_turn(wg), BOTH);
+      return;
+    }
     if (it < s.seen_lo || it >= s.seen_hi) {
       warpgroup::arrive_at(L::next_turn(wg), BOTH);
       return;
     }
-    warpgroup::mm_ABt(att, scratch.q[wg], L::k_of(in));
+    serial_keys<Later, KV>(s, in, scratch, g, t, it, wg);
+  }
+  // ... on the tile's Cols keys from its Cols-key block `block` on, in this consumer's turn. Its rows past the
+  // sequence's end are zeroed in V first on the last tile (see drain).
+  template <bool Later, int Cols>
+  __device__ static void serial_keys(consumer_state& s, input_block& in, scratch_block& scratch, const globals& g,
+                                     const task_t& t, int it, int wg, int block = 0) {
+    rt_fl<16, Cols> att;
+    warpgroup::mm_ABt(att, scratch.q[wg], L::template keys<Cols>(in, block));
     warpgroup::arrive_at(L::next_turn(wg), BOTH);
     warpgroup::mma_async_wait<0>();
-    softmax<Later>(s, att, scratch, in, g, t, it, wg);
+    softmax<Later>(s, att, scratch, in, g, t, it, wg, block);
+    free_queries(scratch, s, t, it, wg);  // after the softmax, which may run S again
     if (s.rescale_o) mul_row(s.o, s.o, s.rescale);
-    rt<typename L::element, 16, KV> p;
+    rt<typename L::element, 16, Cols> p;
     copy(p, att);
     if (it == t.iters - 1) zero_tail(L::v_of(in), t, wg);
-    warpgroup::mma_AB(s.o, p, *L::v_of(in));
+    warpgroup::mma_AB(s.o, p, L::template values<Cols>(in, block));
     warpgroup::mma_async_wait<0>();
   }
 

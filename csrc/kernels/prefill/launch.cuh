@@ -83,6 +83,7 @@ void run_dtype(const attn_varlen_problem& p, int num_sms, cudaStream_t stream) {
   switch (select_variant(p)) {
     case variant::d64: return run<T, pick(d64)>(p, num_sms, stream);
     case variant::d64_softcap: return run<T, pick(d64_softcap)>(p, num_sms, stream);
+    case variant::d64_window: return run<T, pick(d64_window)>(p, num_sms, stream);
     case variant::d128_short: return run<T, pick(d128_short)>(p, num_sms, stream);
     case variant::d128_long: return run<T, pick(d128_long)>(p, num_sms, stream);
     case variant::d128_long_causal: return run<T, pick(d128_long_causal)>(p, num_sms, stream);

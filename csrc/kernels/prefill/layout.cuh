@@ -29,6 +29,7 @@ struct prefill_layout {
   static_assert(!P.warp_epilogue || P.queries_ahead, "warp_epilogue: the output's own staging buffer (queries_ahead)");
   static_assert(!P.half_last || (P.trims && seeded_first), "half_last: a consumer's own tiles (trims), seeded");
   static_assert(!P.skip_hidden || P.mask_once, "skip_hidden: the task's mask span (mask_once)");
+  static_assert(!P.half_ends || (serial && KV % 32 == 0), "half_ends: the serial order's tiles, whole k-steps a half");
 
   static constexpr int COLS = P.ragged_head_dim ? RUNTIME : D;  // the global layouts' head dim
   using q_tile = st<T, QROWS, D>;
@@ -71,10 +72,15 @@ struct prefill_layout {
     if constexpr (staggered) return &(&in)[1].kv;  // the ring slot after K_j's
     else return &in.v;
   }
-  // K_j's first Cols rows (keys): all of them, or a half tile's.
-  template <int Cols> __device__ static auto keys(const input_block& in) {
+  // K_j's Cols rows (keys) from row block `block` on: all of them, or a half tile's (block 0: the first half).
+  template <int Cols> __device__ static auto keys(const input_block& in, int block = 0) {
     if constexpr (Cols == KV) return k_of(in).ref();
-    else return k_of(in).template row_block<Cols>(0);
+    else return k_of(in).template row_block<Cols>(block);
+  }
+  // ... and V_j's.
+  template <int Cols> __device__ static auto values(const input_block& in, int block = 0) {
+    if constexpr (Cols == KV) return v_of(in)->ref();
+    else return v_of(in)->template row_block<Cols>(block);
   }
 
   static_assert(!P.queries_ahead || stages * sizeof(input_block) + 2 * consumers * sizeof(q_tile) <= 224 * 1024);
@@ -100,6 +106,7 @@ struct prefill_layout {
     const kv_tile* v_prev;  // that tile's V: its stage stays held until the current compute returns
     int q_phase;
     int seen_lo, seen_hi;   // serial: the task's tiles [seen_lo, seen_hi) hold keys this consumer's rows see
+                            // (half_ends: its half tiles, HALF keys each; tile j holds halves 2j and 2j + 1)
     int own;                // trims: the task's tiles this consumer computes (own_iters)
     bool half;              // half_last: the last of them is a half tile (its rows see none of its last HALF keys)
     // Which of the task's tiles this warp's rows mask (compute_first), where mask_once.

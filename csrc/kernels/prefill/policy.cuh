@@ -55,6 +55,10 @@ struct policy {
   bool skip_hidden;      // a warp skips the softmax of a tile that hides every key from its rows (#prefill-hidden-skip)
   bool trims;            // a consumer computes only the tiles up to the last its rows see (#d64-trims)
   bool half_last;        // a consumer's last tile on its first kv_rows / 2 keys where its rows see no more (#half-last)
+  // serial: a consumer's first tile on its last kv_rows / 2 keys where its rows see none of the first half, its last
+  // tile on its first half where they see none of the second: its tiles cover the keys it sees to the half tile
+  // (#window-tiles)
+  bool half_ends = false;
   bool softcap;          // the softcap's code is compiled in (else launches have softcap 0)
   bool page_divisor;     // paged loads divide by the page size with a kittens::divisor (#prefill-paged-div128)
   bool lazy_rescale;     // the running max moves only past tk::attn::RESCALE_THRESHOLD (#prefill-lazy-rescale)
@@ -86,6 +90,16 @@ inline constexpr policy d64_softcap = [] {
   p.first = first_tile::fresh;
   return p;
 }();
+// D=64 under a small sliding window (select_variant: D64_WINDOW_KEYS): three serial consumers, each on its own tiles
+// (seen_lo / seen_hi) with half tiles at both ends of them, so each computes the three half tiles its 64 rows see
+// where the overlapped kernel's consumers run from the task's first tile (a task at gpt-oss's (127, 0): 4.4
+// consumer tiles, not 6.6); queries ahead, the fresh first tile (#window-tiles).
+inline constexpr policy d64_window{
+    .head_dim = 64, .consumers = 3, .kv_rows = 128, .stages = 4, .order = tile_order::serial,
+    .walk = task_walk::fed, .ring = kv_ring::paired, .tasks = task_order::grouped, .queries_ahead = true,
+    .warp_epilogue = true, .mask_once = true, .skip_hidden = false, .trims = false, .half_last = false,
+    .half_ends = true, .softcap = false, .page_divisor = false, .lazy_rescale = true, .fast_softmax = true,
+    .fast_needs_seen = true, .first = first_tile::fresh};
 // D=128 over <= 1024 keys: two overlapped consumers on a staggered ring (FA3's hdim-128 layout), queries ahead
 // (#prefill-c2-stagger-ahead).
 inline constexpr policy d128_short{
@@ -132,17 +146,28 @@ inline constexpr policy d256_causal = [] {
 
 // ---- selection
 
-enum class variant { d64, d64_softcap, d128_short, d128_long, d128_long_causal, d128_long_causal_claimed, d256,
-                     d256_causal };
+enum class variant { d64, d64_softcap, d64_window, d128_short, d128_long, d128_long_causal, d128_long_causal_claimed,
+                     d256, d256_causal };
 
 // D=128 switches from two overlapped consumers to three serial ones past this many keys.
 inline constexpr int D128_SHORT_KEYS = 1024;
+// D=64 without a softcap runs d64_window where each query sees at most this many keys besides its own (a left window
+// plus, without a causal mask, a right one): a 64-row consumer then sees at most 192 keys, three half tiles.
+inline constexpr int D64_WINDOW_KEYS = 128;
+
+// Whether a query's keys are bounded on both sides with at most D64_WINDOW_KEYS of them besides its own.
+inline bool small_window(const attn_varlen_problem& p) {
+  const int right = p.causal ? 0 : p.window_right;  // a causal mask ends every row's keys at its own
+  return p.window_left >= 0 && right >= 0 && p.window_left <= D64_WINDOW_KEYS - right;
+}
 
 using tk::attn::tile_head_dim;
 
 inline variant select_variant(const attn_varlen_problem& p) {
   switch (tile_head_dim(p.head_dim)) {
-    case 64: return p.softcap > 0.f ? variant::d64_softcap : variant::d64;
+    case 64:
+      if (p.softcap > 0.f) return variant::d64_softcap;
+      return small_window(p) ? variant::d64_window : variant::d64;
     case 128:
       if (p.max_seqlen_k <= D128_SHORT_KEYS) return variant::d128_short;
       if (!p.causal) return variant::d128_long;
@@ -155,6 +180,7 @@ constexpr policy policy_of(variant v) {
   switch (v) {
     case variant::d64: return d64;
     case variant::d64_softcap: return d64_softcap;
+    case variant::d64_window: return d64_window;
     case variant::d128_short: return d128_short;
     case variant::d128_long: return d128_long;
     case variant::d128_long_causal: return d128_long_causal;

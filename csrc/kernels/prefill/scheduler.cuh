@@ -94,9 +94,11 @@ struct prefill_scheduler {
     if (t.iters == 0 || idle(t, wg)) return 0;
     return min(t.iters, max(1, ceil_div(last_keys(g, t, wg), KV) - t.first));
   }
-  // The last of the task's tiles this consumer computes.
+  // The last of the task's tiles this consumer computes (-1: none).
   __device__ static int last_tile(const typename L::consumer_state& s, const task_t& t) {
     if constexpr (P.trims) return s.own - 1;
+    else if constexpr (P.half_ends) return (s.seen_hi + 1) / 2 - 1;  // seen_hi counts half tiles
+    else if constexpr (L::serial) return s.seen_hi - 1;
     else return t.iters / SLOTS - 1;
   }
 };
