@@ -121,12 +121,15 @@ With TK_SERVE_TP=2 the engines run tensor parallel 2 and the case names get the 
 (default 2048) sets the 4-layer model's max_model_len, and so the width of vLLM's block table, which decode kernels
 that plan from the table's width feel although the contexts stay at most 1280 tokens; other values add the suffix
 _len<N> (a longer length builds the model with that many positions). Full-size models keep their own lengths.
+TK_SERVE_LOG_DIR=DIR keeps every engine's log there (DIR/<model group>/<impl>.log), e.g. $OUT/serve_logs in a device
+call; by default they live in a temporary folder that goes with the run.
 Needs vLLM importable (GPU host: source /tmp/vllm_site/env.sh); otherwise the family is skipped with a reason.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import functools
 import http.client
 import json
@@ -892,7 +895,10 @@ def run(quick: bool = False) -> list:
     tp = int(os.environ.get("TK_SERVE_TP", "1"))
     env = vllm_env()
     rows, failures = [], []
-    with tempfile.TemporaryDirectory() as tmp:
+    # $TK_SERVE_LOG_DIR keeps the engines' logs (and replies) there, e.g. under a device call's $OUT: a run killed
+    # by a call's time limit otherwise leaves nothing saying where it stood (findings/serving.md#serve-mamba-first-try)
+    keep = os.environ.get("TK_SERVE_LOG_DIR")
+    with (contextlib.nullcontext(keep) if keep else tempfile.TemporaryDirectory()) as tmp:
         for group, cases in groups:
             model = MODELS[group.model]
             suffix = (f"_tp{tp}" if tp > 1 else "") + (
@@ -902,7 +908,7 @@ def run(quick: bool = False) -> list:
                   f"{rounds(group.model)} rounds, {kv_bytes / GiB:g} GiB of KV cache each", flush=True)
             model_dir = build_model(group.model)
             workdir = Path(tmp) / group.label
-            workdir.mkdir()
+            workdir.mkdir(parents=True, exist_ok=bool(keep))
             engines = [Engine(impl, worker_command(group, model_dir, IMPLS[impl], tp),
                               engine_env(env, group.model, impl), workdir) for impl in impls[group.model]]
             try:
