@@ -42,6 +42,8 @@ SERVE_LAYERS = 4
 # (batch, context, hq, hkv, page, head dim, sinks, window).
 MODEL_CASES = [(b, c, 32, 32, 16, 96, False, -1) for b in (8, 64) for c in (1024, 8192)]
 MODEL_CASES += [(b, c, 64, 8, 16, 64, True, w) for b in (8, 64) for c in (1024, 8192) for w in (-1, 127)]
+# Head dim 64 without sinks (Llama-3.2-1B: 32 / 8 heads of 64), beside gpt-oss's: is the D=64 kernel or the sinks slow?
+MODEL_CASES += [(b, c, 32, 8, 16, 64, False, -1) for b in (8, 64) for c in (8192, 32768)]
 # FP8 (e4m3) caches (case names end in _fp8): the main grid at 32 / 8 heads, and the 128k-token-table cases; tbps
 # counts 1 byte a K / V element. vllm_fa3 reads them as vLLM's FLASH_ATTN does (its query quantized per tensor).
 FP8_CASES = [(b, c, 32, 8, 16) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)] + [(1, 131072, 32, 8, 16)]

@@ -223,7 +223,10 @@ def _check_fp8_query(q, k, v, seqlens, table, scales, rng, what, per="tensor", *
     ref_out, ref_lse = reference.decode(q8.to(q.dtype), k, v, seqlens, table, q_descale=q_descale, **scales,
                                         **{n: x for n, x in kw.items() if n != "num_splits"})
     assert_close(out, ref_out, rel=2e-2, atol=2e-2, what=what)
-    assert_close(lse, ref_lse, rel=1e-3, atol=1e-3, what=what + " lse")
+    # Hopper's e4m3 wgmma accumulates with ~13 fraction bits, truncated (test_wgmma_e4m3): a row over one or two keys
+    # carries a single score's error into its lse, up to ~6e-3 past rel 1e-3 at D=256 in a model of that rounding
+    # (docs/findings/decode.md#decode-fp8-query); a wrong tile or a race moves it by O(1).
+    assert_close(lse, ref_lse, rel=1e-3, atol=8e-3, what=what + " lse")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
