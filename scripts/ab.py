@@ -3,6 +3,7 @@
     python3 scripts/ab.py --family attn_decode [--family ...] [--test tests/gpu/test_decode.py] ab/NAME.patch ...
     python3 scripts/ab.py --rounds 2 ab/NAME.patch=attn_decode ab/OTHER.patch=based \
         --test-for NAME=tests/gpu/test_decode.py --test-for OTHER=tests/gpu/test_based.py
+    python3 scripts/ab.py --incremental ...   (variants built in place, one after another: see --incremental)
 
 Make a patch with `git diff main...BRANCH > ab/NAME.patch` (ab/ is not ignored, so it travels with the device
 call; ab/README.md has the rules). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
@@ -39,8 +40,8 @@ def prepare(name: str, patches: list[Path], root: Path) -> Path:
     return tree
 
 
-def build(tree: Path, jobs: int, log: Path) -> bool:
-    if tree == REPO and any(REPO.glob("tk_backend/_C*.so")):
+def build(tree: Path, jobs: int, log: Path, force: bool = False) -> bool:
+    if tree == REPO and not force and any(REPO.glob("tk_backend/_C*.so")):
         return True  # the base is already built (e.g. by this call's editable install)
     env = {**os.environ, "MAX_JOBS": str(jobs)}
     with open(log, "w") as f:
@@ -58,6 +59,25 @@ def touches_native(patch: Path) -> bool:
             if path.startswith("csrc/") or path in ("setup.py", "pyproject.toml"):
                 return True
     return False
+
+
+def build_in_place(patches: list[Path], tree: Path, jobs: int, log: Path) -> bool:
+    """--incremental: the variant's extension built in this tree, with its patches applied and then reverted (also
+    on failure), so ninja recompiles only the objects the patches touch (setup.py keeps them in build/), with
+    every core; the extension lands in `tree`. The caller restores the base's extension afterwards."""
+    applied: list[Path] = []
+    try:
+        for patch in patches:
+            subprocess.run(["patch", "-p1", "-s", "-i", str(patch.resolve())], cwd=REPO, check=True)
+            applied.append(patch)
+        ok = build(REPO, jobs, log, force=True)
+        if ok:
+            for lib in REPO.glob("tk_backend/_C*.so"):
+                shutil.copy2(lib, tree / "tk_backend" / lib.name)
+        return ok
+    finally:
+        for patch in reversed(applied):
+            subprocess.run(["patch", "-R", "-p1", "-s", "-i", str(patch.resolve())], cwd=REPO, check=True)
 
 
 def reuse_extension(tree: Path) -> bool:
@@ -136,6 +156,10 @@ def main() -> int:
                              "semaphore) the variant counts as failed and the others go on, within the call's limit "
                              "(test_attention / test_decode take ~10 s; a hung variant would otherwise spend the whole call)")
     parser.add_argument("--root", type=Path, default=Path("/tmp/ab"))
+    parser.add_argument("--incremental", action="store_true",
+                        help="build the native variants one after another in this tree (each patch applied, "
+                             "built, reverted: ninja recompiles only what it touches, with every core) instead of "
+                             "each in its own copy from scratch, the cores split between them")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time base, variants, base ... this many times over (short kernels whose time is "
                              "bimodal from process to process); the ratios are medians over the rounds")
@@ -160,9 +184,26 @@ def main() -> int:
     native = [n for n in trees if any(touches_native(p) for p in patches[n])]
     base_built = any(REPO.glob("tk_backend/_C*.so"))  # then build() returns at once for the base
     jobs = max(1, (os.cpu_count() or 16) // max(1, len(native) + (0 if base_built else 1)))
-    with ThreadPoolExecutor(len(native) + 1) as pool:
-        built = dict(zip(["base", *native], pool.map(lambda t: build(t, jobs, out / f"build_{t.name}.log"),
-                                                     [REPO, *(trees[n] for n in native)])))
+    if args.incremental:
+        cores = os.cpu_count() or 16
+        built = {"base": build(REPO, cores, out / "build_base.log")}
+        saved = args.root / "_base_extension"
+        if saved.exists():
+            shutil.rmtree(saved)
+        saved.mkdir(parents=True)
+        libs = list(REPO.glob("tk_backend/_C*.so")) if built["base"] else []
+        for lib in libs:
+            shutil.copy2(lib, saved / lib.name)
+        try:
+            for n in native:
+                built[n] = built["base"] and build_in_place(patches[n], trees[n], cores, out / f"build_{n}.log")
+        finally:  # the base's own extension back in place (its sources are back already)
+            for lib in libs:
+                shutil.copy2(saved / lib.name, lib)
+    else:
+        with ThreadPoolExecutor(len(native) + 1) as pool:
+            built = dict(zip(["base", *native], pool.map(lambda t: build(t, jobs, out / f"build_{t.name}.log"),
+                                                         [REPO, *(trees[n] for n in native)])))
     for n in trees:  # a Python-only variant imports the base's extension: no second build
         if n not in native:
             built[n] = built["base"] and reuse_extension(trees[n])

@@ -121,6 +121,49 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     assert report[2].split()[:5] == ["attn_decode:c", "1.0000", "1.000", "-", "0.800"]
 
 
+def test_ab_incremental_builds_each_variant_in_place_then_restores_the_base(tmp_path, monkeypatch):
+    """--incremental: each native variant's patch is applied to the tree, built there (ninja's objects reused),
+    its extension copied to the variant's copy, the patch reverted; the base's extension is back at the end."""
+    import ab
+
+    repo = tmp_path / "repo"
+    (repo / "tk_backend").mkdir(parents=True)
+    (repo / "csrc").mkdir()
+    lib = repo / "tk_backend" / "_C.so"
+    lib.write_text("base")
+    monkeypatch.setattr(ab, "REPO", repo)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    seen = []
+
+    def fake_build(tree, jobs, log, force=False):
+        assert tree == repo, "an incremental build runs in the tree itself"
+        if force:  # a variant: the tree holds its patch (and no other) while it builds
+            present = sorted(f.name for f in (repo / "csrc").glob("*.txt"))
+            seen.append(present)
+            lib.write_text("built with " + ",".join(present))
+        return True
+
+    def fake_run(tree, args, log, timeout=900):
+        if args[0] == "scripts/bench.py":
+            _write_bench_rows(args, 1.0)
+        return 0
+
+    monkeypatch.setattr(ab, "build", fake_build)
+    monkeypatch.setattr(ab, "run_in", fake_run)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    for name in ("one", "two"):
+        (patches / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/csrc/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
+    root = tmp_path / "trees"
+    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'one.patch'}=gemm", f"{patches / 'two.patch'}=gemm",
+                                      "--incremental", "--root", str(root)])
+    assert ab.main() == 0
+    assert seen == [["one.txt"], ["two.txt"]]
+    assert (root / "one" / "tk_backend" / "_C.so").read_text() == "built with one.txt"
+    assert (root / "two" / "tk_backend" / "_C.so").read_text() == "built with two.txt"
+    assert lib.read_text() == "base" and not list((repo / "csrc").glob("*.txt"))
+
+
 def test_ab_rounds_interleave_variants_and_base(tmp_path, monkeypatch):
     import ab
 
