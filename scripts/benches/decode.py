@@ -2,7 +2,9 @@
 where vLLM is importable; else SDPA on gathered KV.
 
 Every impl is timed by CUDA-graph replay (as vLLM runs decode); tbps counts the bytes of Q, the K and V
-actually attended, and O.
+actually attended, and O. The tk row of a streaming case (B >= 8, 8k+ contexts, no window) also carries the case's
+read ceiling (read_ceiling_tbps: its K / V tensors read by a read-only kernel, benches/read_ceiling.py) and
+tk_of_read_ceiling, tk's TB/s over it (issue 48's bar: >= 0.97).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 import tk_backend
 from tk_backend import attention, decode_plan
 from benchlib import Row, selected, time_per_call
+from benches import read_ceiling
 
 D = 128
 # (batch, context, hq, hkv, page): vLLM's default 16-token pages, and a few cases with 64-token pages.
@@ -238,6 +241,13 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
             print(f"  {case}: {impl} skipped ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
             continue
         rows.append(Row("attn_decode", case, impl, ms, tbps=bytes_moved / ms / 1e9))
+    tk_row = next((r for r in rows if r.impl == "tk"), None)
+    if tk_row is not None and layers == 1 and not serve and b >= 8 and ctx >= 8192 and window < 0:
+        # Where decode streams (issue 48's bar): the case's own K/V tensors read as fast as this GPU reads them
+        ceiling = read_ceiling.read_ceiling_tbps([k_cache, v_cache], time_per_call)
+        if ceiling is not None:
+            tk_row.extra.update(read_ceiling_tbps=round(ceiling, 3), tk_of_read_ceiling=round(tk_row.tbps / ceiling, 4))
+            print(f"  {case}: read ceiling {ceiling:.2f} TB/s; tk at {tk_row.tbps / ceiling:.3f} of it", flush=True)
     return rows
 
 
