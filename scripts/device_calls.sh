@@ -9,6 +9,8 @@
 #   bash scripts/device_calls.sh vllm-b STEP...    carry .offline-vllm/part2 .tk_commit, RIGHT after vllm-a
 #                                                  (the host keeps /tmp ~30 s): stage part 2, then
 #                                                  scripts/gpu_check.sh STEP... with vLLM importable
+#   bash scripts/device_calls.sh moe STEP...       carry .offline-vllm/addon_moe .tk_commit, after vllm-b while warm:
+#                                                  stage vLLM's MoE kernels (gpt-oss), then gpu_check STEP...
 #   bash scripts/device_calls.sh warm STEP...      any later call while the host is still warm (built, vLLM staged):
 #                                                  carry .whl_ssm (and .whl for FA3) .tk_commit; no rebuild
 #
@@ -40,10 +42,16 @@ case "$mode" in
     source /tmp/vllm_site/env.sh
     peers
     exec bash scripts/gpu_check.sh "$@" ;;
+  moe)
+    bash .offline-vllm/addon_moe/stage.sh 2>&1 | tail -1
+    # shellcheck disable=SC1091
+    [ -f /tmp/vllm_site/env.sh ] && source /tmp/vllm_site/env.sh
+    peers
+    exec bash scripts/gpu_check.sh "$@" ;;
   warm)
     # shellcheck disable=SC1091
     [ -f /tmp/vllm_site/env.sh ] && source /tmp/vllm_site/env.sh
     peers
     exec bash scripts/gpu_check.sh "$@" ;;
-  *) echo "usage: $0 fa3|vllm-a|vllm-b|warm [gpu_check steps...]"; exit 2 ;;
+  *) echo "usage: $0 fa3|vllm-a|vllm-b|moe|warm [gpu_check steps...]"; exit 2 ;;
 esac
