@@ -245,7 +245,7 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
     if tk_row is not None and layers == 1 and not serve and b >= 8 and ctx >= 8192 and window < 0:
         # Where decode streams (issue 48's bar): the case's own K/V tensors read as fast as this GPU reads them
         try:
-            ceiling = read_ceiling.read_ceiling_tbps([k_cache, v_cache], time_per_call)
+            ceiling = read_ceiling.read_ceiling_tbps([k_cache, v_cache], num_sms, time_per_call)
         except Exception as exc:  # noqa: BLE001  (a ceiling that cannot be measured must not cost the case)
             print(f"  {case}: no read ceiling ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
             ceiling = None

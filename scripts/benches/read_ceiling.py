@@ -4,8 +4,6 @@ folded by XOR). Decode cannot beat it; issue 48's bar is tk >= 97% of it at B >=
 read more than the 4.25 TB/s device-to-device copy figure, so the copy is no ceiling for a read-mostly kernel."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 try:
@@ -51,16 +49,11 @@ def read_calls(tensors: list[torch.Tensor], programs: int):
     return call, outs
 
 
-@functools.lru_cache(maxsize=1)
-def _num_sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
-def read_ceiling_tbps(tensors: list[torch.Tensor], time_per_call) -> float | None:
+def read_ceiling_tbps(tensors: list[torch.Tensor], num_sms: int, time_per_call) -> float | None:
     """TB/s of the fastest read of the tensors' bytes (time_per_call: the bench's CUDA-graph timer), or None
     where triton is missing."""
     if triton is None:
         return None
     nbytes = sum(words(t).numel() * 4 for t in tensors)
-    best = min(time_per_call(read_calls(tensors, per_sm * _num_sms())[0], 1) for per_sm in GRID_PER_SM)
+    best = min(time_per_call(read_calls(tensors, per_sm * num_sms)[0], 1) for per_sm in GRID_PER_SM)
     return nbytes / best / 1e9

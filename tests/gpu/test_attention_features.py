@@ -118,14 +118,21 @@ def test_prefill_small_windows_paged(block_size, window, seed):
     hkv, group, d = 2, 8, 64
     lq = [rng.randint(1, 700) for _ in range(5)] + [1, 192]
     lk = [n + rng.choice([0, 3, rng.randint(0, 900)]) for n in lq]
+    _paged_prefill(lq, lk, block_size, hkv, group, d, 3,
+                   f"small window paged bs={block_size} window={window} lq={lq} lk={lk} seed={seed}",
+                   causal=True, window_size=window, sinks=_sinks(hkv * group, rng))
+
+
+def _paged_prefill(lq, lk, block_size, hkv, group, d, spare_blocks, what, **kw):
+    """Chunked prefill of queries lq over contexts lk in a paged cache as vLLM keeps it (shuffled pages, its K|V
+    layout, spare_blocks never read), into a NaN-poisoned out, against the float32 reference."""
     max_blocks = max(-(-n // block_size) for n in lk) + 1
-    num_blocks = len(lq) * max_blocks + 3
+    num_blocks = len(lq) * max_blocks + spare_blocks
     kv = torch.randn(num_blocks, block_size, hkv, 2 * d, device="cuda", dtype=torch.bfloat16)  # vLLM's K|V layout
     k_cache, v_cache = kv[..., :d], kv[..., d:]
     table = torch.randperm(num_blocks, device="cuda")[: len(lq) * max_blocks].to(torch.int32).view(len(lq), -1)
     q = torch.randn(sum(lq), hkv * group, d, device="cuda", dtype=torch.bfloat16)
     seqused = torch.tensor(lk, dtype=torch.int32, device="cuda")
-    kw = dict(causal=True, window_size=window, sinks=_sinks(hkv * group, rng))
     out = torch.full_like(q, float("nan"))
     _, lse = tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, _cu(lq), None, max(lq), max(lk), out=out,
                                                block_table=table.contiguous(), seqused_k=seqused,
@@ -133,8 +140,7 @@ def test_prefill_small_windows_paged(block_size, window, seed):
     torch.cuda.synchronize()
     ref_out, ref_lse = reference.attention(q, k_cache, v_cache, _cu(lq), None, block_table=table, seqused_k=seqused,
                                            **kw)
-    _check(out, lse, ref_out, ref_lse, f"small window paged bs={block_size} window={window} lq={lq} lk={lk} "
-           f"seed={seed}")
+    _check(out, lse, ref_out, ref_lse, what)
 
 
 @pytest.mark.parametrize("d", RAGGED_HEAD_DIMS)
@@ -149,25 +155,10 @@ def test_prefill_ragged_head_dims(d, causal, seed):
 @pytest.mark.parametrize("d", [96, 80, 192])
 def test_prefill_ragged_head_dims_paged_window_softcap(d, seed):
     rng = random.Random(seed)
-    bs, hkv, group = 16, 2, 4
     lq = [rng.randint(1, 700) for _ in range(3)]
     lk = [n + rng.randint(0, 600) for n in lq]
-    max_blocks = max(-(-n // bs) for n in lk) + 1
-    num_blocks = len(lq) * max_blocks + 2
-    kv = torch.randn(num_blocks, bs, hkv, 2 * d, device="cuda", dtype=torch.bfloat16)  # vLLM's K|V layout
-    k_cache, v_cache = kv[..., :d], kv[..., d:]
-    table = torch.randperm(num_blocks, device="cuda")[: len(lq) * max_blocks].to(torch.int32).view(len(lq), -1)
-    q = torch.randn(sum(lq), hkv * group, d, device="cuda", dtype=torch.bfloat16)
-    seqused = torch.tensor(lk, dtype=torch.int32, device="cuda")
-    out = torch.full_like(q, float("nan"))
-    kw = dict(causal=True, window_size=(200, 0), softcap=30.0)
-    _, lse = tk_backend.flash_attn_varlen_func(q, k_cache, v_cache, _cu(lq), None, max(lq), max(lk), out=out,
-                                               block_table=table.contiguous(), seqused_k=seqused,
-                                               return_softmax_lse=True, **kw)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = reference.attention(q, k_cache, v_cache, _cu(lq), None, block_table=table, seqused_k=seqused,
-                                           **kw)
-    _check(out, lse, ref_out, ref_lse, f"paged head dim {d} lq={lq} lk={lk} seed={seed}")
+    _paged_prefill(lq, lk, 16, 2, 4, d, 2, f"paged head dim {d} lq={lq} lk={lk} seed={seed}",
+                   causal=True, window_size=(200, 0), softcap=30.0)
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (64, 64), (100, 20)])

@@ -162,20 +162,31 @@ def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
     assert_close(out, ref, rel=2e-2, atol=2e-2, what=f"fp8 decode {expect} seed={seed}")
 
 
-def test_fp8_decode_graph_replay(seed):
-    """Capture once; replay after the lengths, the block table and the descales change."""
-    rng = random.Random(seed)
-    batch, hkv, d = 8, 8, 128
+def _replay_cache(rng, batch=8, hkv=8, d=128):
+    """An fp8 cache of `batch` 4000-key sequences (block size 16) and their lengths, 100 keys each for the capture."""
     k, v, table = _fp8_cache(rng, [4000] * batch, 16, hkv, d)
-    q = torch.randn(batch, 1, 32, d, device="cuda", dtype=torch.bfloat16)
-    seqlens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
-    k_scale, v_scale = torch.ones(1, device="cuda"), torch.ones(1, device="cuda")
-    scales = dict(k_descale=k_scale.expand(batch, hkv), v_descale=v_scale.expand(batch, hkv))
-    out = torch.empty_like(q)
+    return k, v, table, torch.full((batch,), 100, dtype=torch.int32, device="cuda")
+
+
+def _captured_decode(q, k, v, seqlens, table, out, **scales):
+    """flash_attn_with_kvcache run once, then captured into a CUDA graph, which is returned."""
     tk_backend.flash_attn_with_kvcache(q, k, v, seqlens, table, out=out, **scales)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         tk_backend.flash_attn_with_kvcache(q, k, v, seqlens, table, out=out, **scales)
+    return graph
+
+
+def test_fp8_decode_graph_replay(seed):
+    """Capture once; replay after the lengths, the block table and the descales change."""
+    rng = random.Random(seed)
+    batch, hkv, d = 8, 8, 128
+    k, v, table, seqlens = _replay_cache(rng, batch, hkv, d)
+    q = torch.randn(batch, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    k_scale, v_scale = torch.ones(1, device="cuda"), torch.ones(1, device="cuda")
+    scales = dict(k_descale=k_scale.expand(batch, hkv), v_descale=v_scale.expand(batch, hkv))
+    out = torch.empty_like(q)
+    graph = _captured_decode(q, k, v, seqlens, table, out, **scales)
     for _ in range(3):
         seqlens.copy_(torch.tensor([rng.randint(1, 4000) for _ in range(batch)], dtype=torch.int32))
         table.copy_(table[torch.randperm(batch, device="cuda")])
@@ -295,16 +306,12 @@ def test_fp8_query_decode_graph_replay(seed):
     """Capture the e4m3 product once; replay after the lengths, the query and its scale change."""
     rng = random.Random(seed)
     batch, hkv, d = 8, 8, 128
-    k, v, table = _fp8_cache(rng, [4000] * batch, 16, hkv, d)
+    k, v, table, seqlens = _replay_cache(rng, batch, hkv, d)
     q8 = torch.zeros(batch, 1, 32, d, device="cuda", dtype=torch.float8_e4m3fn)
-    seqlens = torch.full((batch,), 100, dtype=torch.int32, device="cuda")
     q_scale = torch.ones(1, device="cuda")
     scales = dict(q_descale=q_scale.expand(batch, hkv), k_descale=torch.ones(1, device="cuda").expand(batch, hkv))
     out = torch.empty(q8.shape, dtype=torch.bfloat16, device="cuda")
-    tk_backend.flash_attn_with_kvcache(q8, k, v, seqlens, table, out=out, **scales)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk_backend.flash_attn_with_kvcache(q8, k, v, seqlens, table, out=out, **scales)
+    graph = _captured_decode(q8, k, v, seqlens, table, out, **scales)
     for _ in range(3):
         seqlens.copy_(torch.tensor([rng.randint(1, 4000) for _ in range(batch)], dtype=torch.int32))
         q_scale.fill_(rng.uniform(0.05, 0.5))
