@@ -150,6 +150,7 @@ void ssd_update(at::Tensor& state, const at::Tensor& x, const at::Tensor& dt, co
   p.headdim = int(headdim);
   p.groups = int(groups);
   p.dstate = int(dstate);
+  p.num_states = state.size(0);
   p.state = state.data_ptr();
   for (int i = 0; i < 3; i++) p.state_strides[i] = state.stride(i);
   p.x = x.data_ptr();

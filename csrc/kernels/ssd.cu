@@ -361,13 +361,138 @@ void scan_dtype(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream)
 }
 
 // ---- decode: one token per batch row ----------------------------------------------------------------
-// A CTA per (batch row, head); warp w walks head-dim rows w, w + 4, ...; lanes split dstate, so every row
-// is one coalesced read and write of the state, and y is a warp sum.
+// The update streams each row's state once (read, scale, add, write back): at a serving batch that is hundreds
+// of MB a layer, so the kernel is a bandwidth problem. A CTA takes (batch row, head, a block of head-dim rows);
+// a thread holds its rows' state slices as 16-byte vectors, all loaded before any is used (the old one-lane-per-
+// element loop waited a full memory round trip per element: 0.14 TB/s at batch 128, docs/findings/ssd.md#ssd-update-vec).
+// Row r's y is the sum over its TPR threads (a shuffle within the row's lanes).
+template <typename S>
+struct state_vec {  // 16 bytes of state, moved by one 128-bit access (asm: ptxas splits a uint4 store otherwise)
+  static constexpr int n = 16 / sizeof(S);
+  __device__ static void load(const S* src, float (&v)[n]) {
+    uint32_t w[4];
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(src));
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      if constexpr (std::is_same_v<S, float>) {
+        v[i] = __uint_as_float(w[i]);
+      } else {
+        packed<S> raw;
+        memcpy(&raw, &w[i], sizeof raw);
+        const float2 pair = convert<float2>(raw);
+        v[2 * i] = pair.x, v[2 * i + 1] = pair.y;
+      }
+    }
+  }
+  __device__ static void store(S* dst, const float (&v)[n]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      if constexpr (std::is_same_v<S, float>) {
+        w[i] = __float_as_uint(v[i]);
+      } else {
+        const packed<S> pair = convert<packed<S>>(make_float2(v[2 * i], v[2 * i + 1]));
+        memcpy(&w[i], &pair, sizeof pair);
+      }
+    }
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
+  }
+};
+
+template <typename T, typename S, int N>
+struct ssd_update_vec {
+  static constexpr int threads = 128;
+  static constexpr int VEC = state_vec<S>::n;
+  static constexpr int TPR = N / VEC < WARP_THREADS ? N / VEC : WARP_THREADS;  // threads a row
+  static constexpr int EPT = N / TPR;                                          // a thread's elements a row
+  static constexpr int NV = EPT / VEC;
+  static constexpr int RPP = threads / TPR;  // rows a pass of the CTA
+  static constexpr int RPT = 4;              // rows a thread (their loads all in flight together)
+  static constexpr int rows = RPP * RPT;     // rows a CTA
+  static_assert(N % (VEC * TPR) == 0 && WARP_THREADS % TPR == 0);
+};
+
+template <typename T, typename S, int N>
+__global__ void __launch_bounds__(128, 4) ssd_update_vec_kernel(const tk::ssd_update_problem p) {
+  using K = ssd_update_vec<T, S, N>;
+  const int b = blockIdx.x, h = blockIdx.y;
+  const long slot = p.state_indices ? p.state_indices[b] : b;
+  if (p.state_indices && slot == p.pad_slot_id) return;
+  if (slot < 0 || slot >= p.num_states) return;  // a garbage slot id touches nothing
+  const int grp = h / (p.heads / p.groups);
+  const int sub = threadIdx.x % K::TPR, n0 = sub * K::EPT;
+  const int row0 = blockIdx.z * K::rows + threadIdx.x / K::TPR;
+  S* const state = static_cast<S*>(p.state) + slot * p.state_strides[0] + h * p.state_strides[1];
+  const T* const Bv = static_cast<const T*>(p.B) + b * p.B_strides[0] + grp * p.B_strides[1] + n0;
+  const T* const Cv = static_cast<const T*>(p.C) + b * p.C_strides[0] + grp * p.C_strides[1] + n0;
+  // Everything a thread reads, issued before any of it is used: RPT x NV state vectors, the rows' scalars, B, C.
+  float s[K::RPT][K::EPT], dt[K::RPT], xv[K::RPT], dskip[K::RPT], zv[K::RPT], bn[K::EPT], cn[K::EPT];
+#pragma unroll
+  for (int i = 0; i < K::RPT; i++) {
+    const int row = row0 + i * K::RPP;
+    if (row < p.headdim) {
+#pragma unroll
+      for (int v = 0; v < K::NV; v++) {
+        float part[K::VEC];
+        state_vec<S>::load(state + row * p.state_strides[2] + n0 + v * K::VEC, part);
+#pragma unroll
+        for (int e = 0; e < K::VEC; e++) s[i][v * K::VEC + e] = part[e];
+      }
+    }
+    const int r = row < p.headdim ? row : 0;
+    dt[i] = p.dt[b * p.dt_strides[0] + h * p.dt_strides[1] + r * p.dt_strides[2]] +
+            (p.dt_bias ? p.dt_bias[h * p.dt_bias_strides[0] + r * p.dt_bias_strides[1]] : 0.f);
+    xv[i] = convert<float>(static_cast<const T*>(p.x)[b * p.x_strides[0] + h * p.x_strides[1] + r]);
+    dskip[i] = p.D ? p.D[h * p.D_strides[0] + r * p.D_strides[1]] : 0.f;
+    zv[i] = p.z ? convert<float>(static_cast<const T*>(p.z)[b * p.z_strides[0] + h * p.z_strides[1] + r]) : 0.f;
+  }
+#pragma unroll
+  for (int e = 0; e < K::EPT; e++) bn[e] = convert<float>(Bv[e]), cn[e] = convert<float>(Cv[e]);
+  const bool a_per_row = p.A_strides[2] == 0;  // vLLM's A [nheads] expanded: one exp a row
+#pragma unroll
+  for (int i = 0; i < K::RPT; i++) {
+    const int row = row0 + i * K::RPP;
+    const bool live = row < p.headdim;
+    const float d = p.dt_softplus ? softplus(dt[i]) : dt[i];
+    const float* A = p.A + h * p.A_strides[0] + (live ? row : 0) * p.A_strides[1] + n0 * p.A_strides[2];
+    const float da_row = a_per_row ? __expf(d * A[0]) : 0.f;
+    const float dx = d * xv[i];
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < K::EPT; e++) {
+      const float da = a_per_row ? da_row : __expf(d * A[e * p.A_strides[2]]);
+      s[i][e] = s[i][e] * da + dx * bn[e];
+      acc += s[i][e] * cn[e];
+    }
+    if (live) {
+#pragma unroll
+      for (int v = 0; v < K::NV; v++) {
+        float part[K::VEC];
+#pragma unroll
+        for (int e = 0; e < K::VEC; e++) part[e] = s[i][v * K::VEC + e];
+        state_vec<S>::store(state + row * p.state_strides[2] + n0 + v * K::VEC, part);
+      }
+    }
+#pragma unroll
+    for (int m = K::TPR / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (live && sub == 0) {
+      acc += xv[i] * dskip[i];
+      if (p.z) acc *= zv[i] / (1.f + __expf(-zv[i]));
+      static_cast<T*>(p.out)[b * p.out_strides[0] + h * p.out_strides[1] + row] = convert<T>(acc);
+    }
+  }
+}
+
+// Any other shape (dstate outside 64 / 128 / 256, a state view whose rows are not 16-byte aligned): a CTA per
+// (batch row, head); warp w walks head-dim rows w, w + 4, ...; lanes split dstate.
 template <typename T, typename S>
 __global__ void __launch_bounds__(128) ssd_update_kernel(const tk::ssd_update_problem p) {
   const int b = blockIdx.x, h = blockIdx.y;
   const long slot = p.state_indices ? p.state_indices[b] : b;
   if (p.state_indices && slot == p.pad_slot_id) return;
+  if (slot < 0 || slot >= p.num_states) return;
   const int grp = h / (p.heads / p.groups);
   S* state = static_cast<S*>(p.state) + slot * p.state_strides[0] + h * p.state_strides[1];
   const T* x = static_cast<const T*>(p.x) + b * p.x_strides[0] + h * p.x_strides[1];
@@ -401,12 +526,33 @@ __global__ void __launch_bounds__(128) ssd_update_kernel(const tk::ssd_update_pr
   }
 }
 
+template <typename S>
+bool rows_aligned(const tk::ssd_update_problem& p) {  // every state row starts on 16 bytes
+  constexpr long v = 16 / sizeof(S);
+  return reinterpret_cast<uintptr_t>(p.state) % 16 == 0 && p.state_strides[0] % v == 0 &&
+         p.state_strides[1] % v == 0 && p.state_strides[2] % v == 0;
+}
+
+template <typename T, typename S, int N>
+void launch_update_vec(const tk::ssd_update_problem& p, cudaStream_t stream) {
+  using K = ssd_update_vec<T, S, N>;
+  const dim3 grid(p.batch, p.heads, ceil_div(p.headdim, K::rows));
+  ssd_update_vec_kernel<T, S, N><<<grid, K::threads, 0, stream>>>(p);
+}
+
+template <typename T, typename S>
+void update_state(const tk::ssd_update_problem& p, cudaStream_t stream) {
+  if (rows_aligned<S>(p) && p.dstate == 64) launch_update_vec<T, S, 64>(p, stream);
+  else if (rows_aligned<S>(p) && p.dstate == 128) launch_update_vec<T, S, 128>(p, stream);
+  else if (rows_aligned<S>(p) && p.dstate == 256) launch_update_vec<T, S, 256>(p, stream);
+  else ssd_update_kernel<T, S><<<dim3(p.batch, p.heads), 128, 0, stream>>>(p);
+  TK_LAUNCH_CHECK();
+}
+
 template <typename T>
 void update_dtype(const tk::ssd_update_problem& p, cudaStream_t stream) {
-  const dim3 grid(p.batch, p.heads);
-  if (p.state_fp32) ssd_update_kernel<T, float><<<grid, 128, 0, stream>>>(p);
-  else ssd_update_kernel<T, T><<<grid, 128, 0, stream>>>(p);
-  TK_LAUNCH_CHECK();
+  if (p.state_fp32) update_state<T, float>(p, stream);
+  else update_state<T, T>(p, stream);
 }
 
 }  // namespace

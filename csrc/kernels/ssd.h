@@ -49,11 +49,12 @@ void ssd_scan(const ssd_scan_problem& p, int num_sms, cudaStream_t stream);
 // [batch, heads, headdim], dt [batch, heads, headdim] float32, A [heads, headdim, dstate] float32,
 // B / C [batch, groups, dstate], D / dt_bias [heads, headdim] float32; any strides (0 broadcasts) except a
 // contiguous dstate in state, B and C. Batch row b updates state row state_indices[b] (b if null); a row
-// whose index equals pad_slot_id is skipped (state and out untouched).
+// whose index equals pad_slot_id is skipped (state and out untouched), as is one outside [0, num_states).
 struct ssd_update_problem {
   dtype type;         // of x, B, C, z, out
   bool state_fp32;    // else the state has x's type
   int batch, heads, headdim, groups, dstate;
+  long num_states;
   void* state;
   long state_strides[3];  // slot, head, p
   const void* x;

@@ -27,6 +27,10 @@ from benchlib import Row, copies_to_defeat_l2, selected, time_per_call
 PAPER = [(16, n, 16, 64, 64, 1, 64) for n in (1024, 4096, 16384)]  # batch, seqlen, heads, headdim, dstate, groups, chunk
 SERVING = [(80, 64, 128, 1, 256), (80, 64, 128, 8, 256)]            # heads, headdim, dstate, groups, chunk
 SERVING_TOKENS, SERVING_SEQS = 8192, 8
+# Decode state updates (kernel mamba2_update), as the served models call them: Mamba2-2.7B's layer (80 heads,
+# 1 group) at batch 1-256, NemotronH-8B's (128 heads, 8 groups), Falcon-H1-1.5B's (48 heads, dstate 256).
+UPDATE = [(1, 80, 64, 128, 1), (32, 80, 64, 128, 1), (128, 80, 64, 128, 1), (256, 80, 64, 128, 1),
+          (128, 128, 64, 128, 8), (128, 48, 64, 256, 1)]  # batch, heads, headdim, dstate, groups
 
 
 SKIPPED: list[str] = []
@@ -96,6 +100,80 @@ def _vllm_chunk_metadata(lengths: list[int], chunk: int, device, computed: list[
     for n in lengths:
         cu.append(cu[-1] + n)
     return dict(cu_seqlens=as_t(cu), cu_chunk_seqlens=as_t(bounds), seq_idx=as_t(seq_idx), last_chunk_indices=as_t(last))
+
+
+def _vllm_update():
+    try:
+        from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
+        return selective_state_update  # the Triton kernel behind vLLM's default SSU backend ("triton")
+    except Exception as exc:  # noqa: BLE001
+        _skip("vllm_triton update", "cannot import vllm.model_executor.layers.mamba.ops.mamba_ssm", exc)
+        return None
+
+
+def _update_rows(vllm_update, quick: bool) -> list[Row]:
+    """One decode step's state update, called as vLLM 0.26's MambaMixer2 calls it: dt, A, D and dt_bias as
+    expanded per-head views, the batch's state rows picked from a pool by state_batch_indices (slot 0, vLLM's
+    null block, unused), the state in the activations' dtype, y into a preallocated out. Bytes: the state rows
+    read and written (what bounds the step)."""
+    rows = []
+    for batch, heads, headdim, dstate, groups in UPDATE[2:3] if quick else UPDATE:
+        case = f"b{batch}_h{heads}_p{headdim}_s{dstate}_g{groups}"
+        slots = batch + 1
+        per_set = 2 * batch * heads * headdim * dstate * 2
+        sets = copies_to_defeat_l2(per_set, cap=4)
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        dev, bf = "cuda", torch.bfloat16
+        A = (-torch.rand(heads, device=dev, generator=g))[:, None, None].expand(-1, headdim, dstate).float()
+        D = torch.randn(heads, device=dev, generator=g)[:, None].expand(-1, headdim)
+        dt_bias = torch.randn(heads, device=dev, generator=g)[:, None].expand(-1, headdim)
+        inp = [dict(state=torch.randn(slots, heads, headdim, dstate, device=dev, dtype=bf, generator=g) * 0.1,
+                    x=torch.randn(batch, heads, headdim, device=dev, dtype=bf, generator=g),
+                    dt=torch.randn(batch, heads, device=dev, dtype=bf, generator=g)[:, :, None].expand(-1, -1, headdim),
+                    B=torch.randn(batch, groups, dstate, device=dev, dtype=bf, generator=g),
+                    C=torch.randn(batch, groups, dstate, device=dev, dtype=bf, generator=g),
+                    idx=(torch.randperm(batch, device=dev, generator=g) + 1).to(torch.int32),
+                    out=torch.empty(batch, heads, headdim, device=dev, dtype=bf)) for _ in range(sets)]
+
+        def tk_call(i):
+            d = inp[i]
+            tk_backend.selective_state_update(d["state"], d["x"], d["dt"], A, d["B"], d["C"], D=D, dt_bias=dt_bias,
+                                              dt_softplus=True, state_batch_indices=d["idx"], pad_slot_id=0,
+                                              out=d["out"])
+        impls = {"tk": tk_call}
+        if vllm_update is not None:
+            def vllm_call(i):
+                d = inp[i]
+                vllm_update(d["state"], d["x"], d["dt"], A, d["B"], d["C"], D, dt_bias, dt_softplus=True,
+                            state_batch_indices=d["idx"], out=d["out"])
+            impls["vllm_triton"] = vllm_call
+        for name, call in selected(impls).items():
+            try:
+                if name == "vllm_triton":  # the same step on copies must give tk's y and state
+                    d = inp[0]
+                    s0 = d["state"].clone()
+                    tk_call(0)
+                    y_tk, s_tk = d["out"].float().clone(), d["state"].float().clone()
+                    d["state"].copy_(s0)
+                    call(0)
+                    torch.cuda.synchronize()
+                    diff = max((d["out"].float() - y_tk).abs().max().item(),
+                               (d["state"].float() - s_tk).abs().max().item())
+                    scale = max(y_tk.abs().max().item(), 1.0)
+                    print(f"mamba2_update: {case}: vllm_triton vs tk max |difference| {diff:.3g} (max |y| {scale:.3g})",
+                          flush=True)
+                    if not math.isfinite(diff) or diff > 0.05 * scale:
+                        raise ValueError(f"vllm_triton's update differs from tk's by {diff:.3g}")
+                ms = time_per_call(call, sets)
+            except Exception as exc:  # noqa: BLE001
+                if name == "tk":
+                    raise
+                _skip(name, f"failed on mamba2_update {case}", exc)
+                continue
+            rows.append(Row("mamba2_update", case, name, ms, tbps=per_set / ms / 1e9))
+        del inp
+        torch.cuda.empty_cache()
+    return rows
 
 
 def _inputs(batch, seqlen, heads, headdim, dstate, groups, sets):
@@ -195,6 +273,7 @@ def run(quick: bool = False) -> list[Row]:
                 r.note = "; ".join(notes)
         del inp, outs, states0
         torch.cuda.empty_cache()
+    rows += _update_rows(_vllm_update() if vllm is not None else None, quick)
     for line in SKIPPED:  # again, last, so that a `| tail` of the run shows every skipped peer
         print(line, flush=True)
     if not SKIPPED:

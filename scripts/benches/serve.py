@@ -15,8 +15,8 @@ this family always made):
     bge-base      a BERT embedding model (pooling runner; needs a tokenizer: a locally trained one, 4096 tokens, so
                   its prompts' ids stay below 4096); impls tk, flash_attn, triton_attn; 5 rounds; max_model_len 512
     mamba2-2.7b   Mamba-2 models and hybrids, full size from a config.json alone (dummy weights, token-id prompts);
-    nemotron-h-8b impls tk (--attention-backend TK and TK's SSD: TK_MAMBA=1) and flash_attn (vLLM's default:
-    falcon-h1-1.5b FLASH_ATTN and Triton SSD: TK_MAMBA=0); 3 rounds; max_model_len 16384 (the prefill case's 8256
+    nemotron-h-8b impls tk (--attention-backend TK: TK's SSD scan, vLLM's decode update) and flash_attn (vLLM's
+    falcon-h1-1.5b default: FLASH_ATTN and Triton SSD, TK_MAMBA=0); 3 rounds; max_model_len 16384 (the prefill case's 8256
                   tokens, rounded up; Nemotron-H built with 16384 positions), max_num_seqs 128 (the most sequences a
                   case holds: every Mamba engine keeps a state for each of max_num_seqs at start-up). Their own
                   cases (below); each run also records the worker's TK Mamba counters (tk_stats: the
@@ -545,11 +545,15 @@ def engine(model: str, backend: str, tp: int, *, serve_model: str = PRESET, kv_c
 
 
 def engine_env(env: dict[str, str], model: str, impl: str) -> dict[str, str]:
-    """The impl's worker environment: for a Mamba-2 model, TK's SSD on for tk only (TK_MAMBA, whatever the caller
-    exported) and vLLM's collective_rpc allowed to ship tk_stats' reader (a function) to the engine's worker."""
+    """The impl's worker environment: for a Mamba-2 model, tk gets what a TK user gets (TK_MAMBA unset: TK's scan,
+    vLLM's decode update, following the attention backend), flash_attn vLLM's SSD (TK_MAMBA=0), whatever the
+    caller exported; and vLLM's collective_rpc allowed to ship tk_stats' reader (a function) to the worker."""
     if not MODELS[model].mamba:
         return env
-    return {**env, "TK_MAMBA": "1" if impl == "tk" else "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    out = {k: v for k, v in env.items() if k != "TK_MAMBA"}
+    if impl != "tk":
+        out["TK_MAMBA"] = "0"
+    return {**out, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def _read_tk_stats(worker) -> dict:

@@ -632,8 +632,8 @@ def test_mamba_engines_cache_prefixes_only_for_the_prefix_case_and_pick_the_ssd_
         assert serve.engine_kwargs("nemotron-h-8b", "/m", backend, 1, prefix_caching=True) == {
             **common, "attention_backend": backend, "kv_cache_memory_bytes": 27 * GiB, "enable_prefix_caching": True}
     env = {"TK_MAMBA": "1", "PATH": "/bin"}  # whatever the caller exported, each impl gets its own SSD
-    assert serve.engine_env(env, "falcon-h1-1.5b", "tk") == {
-        "TK_MAMBA": "1", "PATH": "/bin", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert serve.engine_env(env, "falcon-h1-1.5b", "tk") == {  # a TK user's default: TK_MAMBA unset
+        "PATH": "/bin", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     assert serve.engine_env(env, "falcon-h1-1.5b", "flash_attn")["TK_MAMBA"] == "0"
     assert serve.engine_env(env, "llama3.1-8b", "flash_attn") is env  # attention-only models as before
     prefix_group = serve.plan([serve.ALL_CASES["mamba2-2.7b_prefix_64x4096+512in_64out"]])[0][0]

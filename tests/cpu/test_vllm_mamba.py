@@ -312,6 +312,27 @@ def test_unsupported_decodes_fall_back(vllm_ops, kernels, log_lines):
     assert "speculative" in log_lines[0]
 
 
+@pytest.mark.parametrize("env, expected", [(None, False), ("", False), ("1", True), ("on", True), ("0", False)])
+def test_the_decode_update_is_on_tk_only_when_tk_mamba_asks(env, expected):
+    # Following the attention backend puts the scan on TK but leaves the update to vLLM's faster Triton kernel.
+    assert tkm.update_wanted(env) is expected
+
+
+def test_a_tk_layer_without_the_update_calls_vllms(vllm_ops, kernels):
+    h, p, n = 4, 64, 64
+    state = torch.zeros(3, h, p, n)
+    before = dict(tkm.STATS)
+    with tkm.tk_layer("model.layers.0.mixer", update=False):
+        tkm.selective_state_update(state, torch.randn(2, h, p).bfloat16(), torch.randn(2, h, p), -torch.rand(h, p, n),
+                                   torch.randn(2, 1, n).bfloat16(), torch.randn(2, 1, n).bfloat16(), torch.randn(h, p),
+                                   torch.randn(h, p), dt_softplus=True,
+                                   state_batch_indices=torch.tensor([1, 2], dtype=torch.int32))
+        assert tkm.mamba_chunk_scan_combined_varlen(**_scan_args()) is not None
+    assert [s[0] for s in vllm_ops] == ["update"] and kernels["update"] == 0 and kernels["scan"] == 1
+    grew = {k: v - before.get(k, 0) for k, v in tkm.STATS.items() if v != before.get(k, 0)}
+    assert grew == {"vllm_update": 1, "tk_scan": 1}, grew
+
+
 def test_layers_not_on_tk_always_use_vllm(vllm_ops, kernels):
     args = _scan_args()
     assert tkm.mamba_chunk_scan_combined_varlen(**args) == "vllm-scan"  # no tk_layer open

@@ -139,6 +139,51 @@ def test_decode_update_with_slots(state_dtype, seed):
     assert torch.isnan(out[1]).all(), "a padded row was written"
 
 
+@pytest.mark.parametrize("n", [64, 128, 256, 48])  # 48: the generic kernel (no 16-byte vector rows)
+@pytest.mark.parametrize("p", [64, 80])           # 80: a CTA's last block of rows is partly past headdim
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_decode_update_shapes(n, p, state_dtype, misaligned, seed):
+    """Every update kernel (the vector one at dstate 64/128/256, the generic one otherwise or when a state view's
+    rows are not 16-byte aligned) against the reference: A per head (vLLM's expanded [nheads]) or per element,
+    garbage slot ids (past num_states, negative) skipped like padding."""
+    rng = random.Random(seed)
+    dtype = torch.float16 if state_dtype == torch.float16 else torch.bfloat16
+    b, h, g, slots = 7, 4, 2, 12
+    pool = torch.randn(slots, h, p, n + (1 if misaligned else 0), device="cuda").to(state_dtype)
+    state = pool[..., 1:] if misaligned else pool  # rows start 2 or 4 bytes past 16: the generic kernel
+    x = torch.randn(b, h, p, device="cuda", dtype=dtype)
+    dt = torch.randn(b, h, device="cuda")[:, :, None].expand(b, h, p)
+    if rng.random() < 0.5:
+        A = (-torch.rand(h, device="cuda"))[:, None, None].expand(h, p, n)
+    else:
+        A = -torch.rand(h, p, n, device="cuda")
+    B = torch.randn(b, g, n, device="cuda", dtype=dtype) * 0.5
+    C = torch.randn(b, g, n, device="cuda", dtype=dtype) * 0.5
+    D, dt_bias = torch.randn(h, device="cuda"), torch.randn(h, device="cuda")
+    z = torch.randn_like(x) if rng.random() < 0.5 else None
+    idx = torch.tensor([3, -1, 0, slots + 5, 11, -7, 6], dtype=torch.int32, device="cuda")
+    keep = (idx >= 0) & (idx < slots)
+    ref_state = state.float().clone()
+    ref_y = reference.selective_state_update(ref_state, x[keep], dt[keep], A, B[keep], C[keep], D,
+                                             None if z is None else z[keep], dt_bias, True, idx[keep])
+    untouched, pad_column = state.clone(), pool[..., 0].clone()
+    out = torch.full_like(x, float("nan"))
+    tk_backend.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, True, idx, out=out)
+    torch.cuda.synchronize()
+    what = f"n={n} p={p} state={state_dtype} misaligned={misaligned} seed={seed}"
+    tol = 1e-2 if state_dtype == torch.float32 else 3e-2
+    assert_close(out[keep], ref_y, rel=tol, atol=3e-2, what=f"decode y {what}")
+    assert_close(state.float(), ref_state, rel=tol, atol=3e-2, what=f"decode state {what}")
+    assert torch.isnan(out[~keep]).all(), f"a padded or garbage-slot row was written ({what})"
+    used = idx[keep].long()
+    others = torch.ones(slots, dtype=torch.bool, device="cuda")
+    others[used] = False
+    assert torch.equal(state[others], untouched[others]), f"a state row no batch row names changed ({what})"
+    if misaligned:
+        assert torch.equal(pool[..., 0], pad_column), f"a write outside the state view ({what})"
+
+
 def test_prefill_then_decode_equals_longer_prefill(seed):
     b, l, steps, h, p, g, n = 2, 130, 3, 8, 64, 1, 64
     inp = _inputs(b, l + steps, h, p, g, n)

@@ -5,7 +5,9 @@ Turning it on (opt-in, decided once per MambaMixer2 layer when the model is buil
 * `TK_MAMBA=1` turns it on whatever the attention backend; `TK_MAMBA=0` turns it off.
 * With TK_MAMBA unset it follows the attention backend: on when `--attention-backend TK` (or CUSTOM resolving
   to the TK backend) is selected, off otherwise. A pure Mamba-2 model has no attention layers, but the choice
-  is still read from the engine's config.
+  is still read from the engine's config. Then only the prefill scan runs on TK: the decode state update stays
+  on vLLM's Triton kernel, which is faster at serving batches (docs/findings/ssd.md#ssd-update-vec); TK_MAMBA=1
+  puts both on TK.
 
 How it is wired (both steps done by `install`, which `register` runs as soon as vLLM's mixer module is
 imported; importing that module costs seconds, so the plugin does not import it itself):
@@ -77,6 +79,7 @@ logger = logging.getLogger("vllm.tk_backend.mamba")
 STATS: Counter = Counter()
 
 _active_layer: contextvars.ContextVar[str | None] = contextvars.ContextVar("tk_mamba_active_layer", default=None)
+_active_update: contextvars.ContextVar[bool] = contextvars.ContextVar("tk_mamba_active_update", default=False)
 _logged: set[str] = set()
 
 
@@ -155,9 +158,20 @@ def _decide_for_layer(layer) -> bool:
         _log_once(f"layer:{reason}", logging.WARNING,
                   "tk_backend: MambaMixer2 layers with %s stay on vLLM's Triton SSD kernels", reason)
         return False
-    _log_once("on", logging.INFO, "tk_backend: MambaMixer2 SSD scan and state update run on TK's kernels "
-              "(%s)", f"{ENV_VAR}={os.environ[ENV_VAR]}" if os.environ.get(ENV_VAR) else "attention backend TK")
+    if update_wanted(os.environ.get(ENV_VAR)):
+        _log_once("on", logging.INFO, "tk_backend: MambaMixer2 SSD scan and state update run on TK's kernels (%s=%s)",
+                  ENV_VAR, os.environ[ENV_VAR])
+    else:
+        _log_once("on", logging.INFO, "tk_backend: MambaMixer2 SSD scan runs on TK's kernels (attention backend TK); "
+                  "the decode state update stays on vLLM's Triton kernel, faster at serving batches (%s=1 puts it "
+                  "on TK's too)", ENV_VAR)
     return True
+
+
+def update_wanted(env_value: str | None) -> bool:
+    """Whether a TK layer's decode state update runs on TK: only when TK_MAMBA=1 asks (TK's update kernel is slower
+    than vLLM's Triton one at serving batches; docs/findings/ssd.md#ssd-update-vec)."""
+    return wanted(env_value, False)
 
 
 # ------------------------------------------------------------------------------------ vLLM differences
@@ -291,7 +305,7 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
     if null_block_id is None:
         null_block_id = api.null_block_id
     layer = _active_layer.get()
-    if layer is None:
+    if layer is None or not _active_update.get():
         STATS["vllm_update"] += 1
     else:
         slots, reason = decode_slots(state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens)
@@ -315,17 +329,19 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
 
 
 class tk_layer:
-    """Context manager: the dispatchers may use TK's ops while it is open (what TKMambaMixer2's forward does)."""
+    """Context manager: the dispatchers may use TK's ops while it is open (what TKMambaMixer2's forward does);
+    the decode update only if `update`."""
 
-    def __init__(self, name: str):
-        self.name, self._token = name, None
+    def __init__(self, name: str, update: bool = True):
+        self.name, self.update, self._tokens = name, update, None
 
     def __enter__(self):
-        self._token = _active_layer.set(self.name)
+        self._tokens = (_active_layer.set(self.name), _active_update.set(self.update))
         return self
 
     def __exit__(self, *exc):
-        _active_layer.reset(self._token)
+        _active_layer.reset(self._tokens[0])
+        _active_update.reset(self._tokens[1])
         return False
 
 
@@ -349,11 +365,12 @@ def _make_mixer_class(base: type) -> type:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.tk_ssd = _decide_for_layer(self)
+            self.tk_update = self.tk_ssd and update_wanted(os.environ.get(ENV_VAR))
 
         def conv_ssm_forward(self, projected_states, output):
             if not (self.tk_ssd and _has_layer_metadata(self)):
                 return super().conv_ssm_forward(projected_states=projected_states, output=output)
-            with tk_layer(self.prefix):
+            with tk_layer(self.prefix, update=self.tk_update):
                 return super().conv_ssm_forward(projected_states=projected_states, output=output)
 
     TKMambaMixer2.__module__ = __name__
