@@ -11,8 +11,10 @@ to the base (the CPU cores split between the builds); then each variant's --test
 bench runs once per tree, in turn (base, variants, then base again, so that drift shows; --rounds N repeats
 variants and base N times and reports medians). PATCH=fam1,fam2 times that variant on those families
 only (the families run are the union of --family and these); A.patch+B.patch is one variant with both applied. Prints, per case, every
-variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each; the JSON lands in
-$OUT/ab/. The bench table of bench/results is not touched.
+variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each. $OUT/ab/ gets few files
+(a device call brings back only so many): report.txt and runs.json, rewritten after every bench run so that a call
+stopped at its limit keeps what finished, plus the build and test logs; each run's own JSON and log stay under
+--root/runs (a failed run's log tail is printed). The bench table of bench/results is not touched.
 """
 from __future__ import annotations
 
@@ -166,6 +168,8 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp")) / "ab"
     out.mkdir(parents=True, exist_ok=True)
+    run_dir = args.root / "runs"
+    run_dir.mkdir(parents=True, exist_ok=True)
     patches, families_of = {}, {}
     for spec in args.patches:
         paths, _, fams = spec.partition("=")
@@ -242,20 +246,29 @@ def main() -> int:
             index = base_index if is_base else round_  # the base run's number, or the variant's round
             base_index += is_base
             tag = f"{label}{index}"
-            path = out / f"{fam}_{'' if is_base else 'variant_'}{tag}.json"
-            log = out / f"bench_{'' if is_base else 'variant_'}{tag}.log"
-            rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path)], log)
+            path = run_dir / f"{fam}_{'' if is_base else 'variant_'}{tag}.json"
+            log = run_dir / f"bench_{'' if is_base else 'variant_'}{tag}.log"
+            rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path), "--no-picture"], log)
             if rc != 0 or not path.exists():
-                print(f"{fam} {tag}: bench failed (rc {rc}), see {log}", flush=True)
+                tail = [x for x in log.read_text().splitlines() if x.strip()][-12:] if log.exists() else []
+                print(f"{fam} {tag}: bench failed (rc {rc})" + "".join(f"\n  | {x[:300]}" for x in tail), flush=True)
                 continue
             _slot(base_slots if is_base else variant_slots.setdefault(label, []), index).update(rows(path))
-        if base_slots:  # after each family, so that a call stopped at its limit still brings the finished ones back
-            report = compare(base_slots, variant_slots)
-            (out / "report.txt").write_text("\n".join(report) + "\n")
+            print(f"{fam} {tag}: timed", flush=True)
+            if base_slots:  # after every run, so that a call stopped at its limit keeps what finished
+                report = compare(base_slots, variant_slots)
+                (out / "report.txt").write_text("\n".join(report) + "\n")
+                (out / "runs.json").write_text(json.dumps(
+                    {"base": _plain(base_slots), "variants": {n: _plain(v) for n, v in variant_slots.items()}}))
     if not base_slots:
         return 1
     print("\n".join(report))
     return 0
+
+
+def _plain(runs: list[dict]) -> list[dict]:
+    """runs as JSON takes them: "kernel:case" -> {impl: ms}."""
+    return [{f"{k[0]}:{k[1]}": v for k, v in run.items()} for run in runs]
 
 
 def _slot(runs: list[dict], i: int) -> dict:

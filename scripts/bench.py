@@ -43,6 +43,8 @@ def main() -> int:
     parser.add_argument("--family", action="append", choices=sorted(FAMILIES), help="repeatable; default: all")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "h200.json")
     parser.add_argument("--quick", action="store_true", help="a few cases per family (smoke run)")
+    parser.add_argument("--no-picture", action="store_true", help="write --out without drawing its picture "
+                        "(scripts/ab.py's runs: each file brought back from the device costs one of a call's few)")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         found = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
@@ -59,7 +61,8 @@ def main() -> int:
     elif not args.quick:
         merge_results(args.out, rows)
         print(f"wrote {args.out}")
-        draw_picture(args.out)
+        if not args.no_picture:
+            draw_picture(args.out)
     print_table(rows)
     return 0
 

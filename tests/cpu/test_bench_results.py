@@ -191,7 +191,7 @@ def test_ab_rounds_interleave_variants_and_base(tmp_path, monkeypatch):
 
 def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypatch):
     """A call stopped at its limit mid-way (here: the second family's variant bench blows up) keeps the report of
-    the families already timed."""
+    every run already timed."""
     import ab
 
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -214,7 +214,44 @@ def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypat
         ab.main()
     report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
     assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.900"]
-    assert len(report) == 2
+    assert report[2].split()[:4] == ["attn_decode:c", "1.0000", "1.000", "-"]  # its base ran, its variant did not
+    assert len(report) == 3
+
+
+def test_ab_keeps_its_out_folder_small_and_its_report_current_after_every_run(tmp_path, monkeypatch):
+    """A device call brings back only so many files: $OUT/ab holds the report and runs.json (rewritten after every
+    run, so a stop mid-family keeps the finished runs), no per-run JSON, log or picture; bench.py is told not to
+    draw."""
+    import json
+
+    import ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    calls = []
+
+    def fake_run(tree, args, log, timeout=900):
+        if args[0] == "scripts/bench.py":
+            calls.append(args)
+            if len(calls) == 4:  # the second round's variant run: the call is stopped there
+                raise subprocess.TimeoutExpired(args, timeout)
+            _write_bench_rows(args, 1.0 if tree == ab.REPO else 0.5)
+        return 0
+
+    monkeypatch.setattr(ab, "run_in", fake_run)
+    patches = tmp_path / "patches"
+    _patches_adding_a_file_each(patches, ("v",))
+    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'v.patch'}=gemm", "--rounds", "2",
+                                      "--root", str(tmp_path / "trees")])
+    with pytest.raises(subprocess.TimeoutExpired):
+        ab.main()
+    assert all("--no-picture" in args for args in calls)
+    assert sorted(f.name for f in (tmp_path / "ab").iterdir()) == ["report.txt", "runs.json"]
+    runs = json.loads((tmp_path / "ab" / "runs.json").read_text())
+    assert runs == {"base": [{"gemm:c": {"tk": 1.0}}, {"gemm:c": {"tk": 1.0}}], "variants": {"v": [{"gemm:c": {"tk": 0.5}}]}}
+    assert (tmp_path / "ab" / "report.txt").read_text().splitlines()[1].split()[:4] == ["gemm:c", "1.0000", "1.000",
+                                                                                       "0.500"]
 
 
 def test_ab_run_in_kills_a_command_past_its_timeout(tmp_path):
