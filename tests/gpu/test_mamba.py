@@ -140,28 +140,29 @@ def test_decode_update_with_slots(state_dtype, seed):
 
 
 @pytest.mark.parametrize("n", [64, 128, 256, 48])  # 48: the generic kernel (no 16-byte vector rows)
-@pytest.mark.parametrize("p", [64, 80])           # 80: a CTA's last block of rows is partly past headdim
+@pytest.mark.parametrize("p", [64, 80, 128])      # 80: a CTA's last block of rows is partly past headdim
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("misaligned", [False, True])
-def test_decode_update_shapes(n, p, state_dtype, misaligned, seed):
+@pytest.mark.parametrize("form", ["vllm", "general"])
+def test_decode_update_shapes(n, p, state_dtype, misaligned, form, seed):
     """Every update kernel (the vector one at dstate 64/128/256, the generic one otherwise or when a state view's
-    rows are not 16-byte aligned) against the reference: A per head (vLLM's expanded [nheads]) or per element,
-    garbage slot ids (past num_states, negative) skipped like padding."""
-    rng = random.Random(seed)
+    rows are not 16-byte aligned) against the reference, in vLLM's form (dt, A, D, dt_bias per head as expanded
+    views, no z) and the general one (A per element, z); garbage slot ids (past num_states, negative) skipped like
+    padding."""
     dtype = torch.float16 if state_dtype == torch.float16 else torch.bfloat16
     b, h, g, slots = 7, 4, 2, 12
     pool = torch.randn(slots, h, p, n + (1 if misaligned else 0), device="cuda").to(state_dtype)
     state = pool[..., 1:] if misaligned else pool  # rows start 2 or 4 bytes past 16: the generic kernel
     x = torch.randn(b, h, p, device="cuda", dtype=dtype)
     dt = torch.randn(b, h, device="cuda")[:, :, None].expand(b, h, p)
-    if rng.random() < 0.5:
+    if form == "vllm":
         A = (-torch.rand(h, device="cuda"))[:, None, None].expand(h, p, n)
     else:
         A = -torch.rand(h, p, n, device="cuda")
     B = torch.randn(b, g, n, device="cuda", dtype=dtype) * 0.5
     C = torch.randn(b, g, n, device="cuda", dtype=dtype) * 0.5
     D, dt_bias = torch.randn(h, device="cuda"), torch.randn(h, device="cuda")
-    z = torch.randn_like(x) if rng.random() < 0.5 else None
+    z = torch.randn_like(x) if form == "general" else None
     idx = torch.tensor([3, -1, 0, slots + 5, 11, -7, 6], dtype=torch.int32, device="cuda")
     keep = (idx >= 0) & (idx < slots)
     ref_state = state.float().clone()
@@ -171,7 +172,7 @@ def test_decode_update_shapes(n, p, state_dtype, misaligned, seed):
     out = torch.full_like(x, float("nan"))
     tk_backend.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, True, idx, out=out)
     torch.cuda.synchronize()
-    what = f"n={n} p={p} state={state_dtype} misaligned={misaligned} seed={seed}"
+    what = f"n={n} p={p} state={state_dtype} misaligned={misaligned} form={form} seed={seed}"
     tol = 1e-2 if state_dtype == torch.float32 else 3e-2
     assert_close(out[keep], ref_y, rel=tol, atol=3e-2, what=f"decode y {what}")
     assert_close(state.float(), ref_state, rel=tol, atol=3e-2, what=f"decode state {what}")
