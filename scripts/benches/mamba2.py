@@ -14,6 +14,7 @@ tk's on the timed inputs (max |difference| printed), so a row always measures a 
 from __future__ import annotations
 
 import math
+import os
 import random
 import sys
 import tempfile
@@ -34,6 +35,12 @@ UPDATE = [(1, 80, 64, 128, 1), (32, 80, 64, 128, 1), (128, 80, 64, 128, 1), (256
 
 
 SKIPPED: list[str] = []
+
+
+def _wanted(kernel: str, case: str) -> bool:
+    """$TK_BENCH_CASES (comma-separated substrings of "kernel:case", e.g. `mamba2_update:`) selects cases; unset: all."""
+    only = [c for c in os.environ.get("TK_BENCH_CASES", "").split(",") if c]
+    return not only or any(c in f"{kernel}:{case}" for c in only)
 
 
 def _skip(peer: str, why: str, exc: BaseException | None = None) -> str:
@@ -119,6 +126,8 @@ def _update_rows(vllm_update, quick: bool) -> list[Row]:
     rows = []
     for batch, heads, headdim, dstate, groups in UPDATE[2:3] if quick else UPDATE:
         case = f"b{batch}_h{heads}_p{headdim}_s{dstate}_g{groups}"
+        if not _wanted("mamba2_update", case):
+            continue
         slots = batch + 1
         per_set = 2 * batch * heads * headdim * dstate * 2
         sets = copies_to_defeat_l2(per_set, cap=4)
@@ -198,6 +207,8 @@ def run(quick: bool = False) -> list[Row]:
     ssm, vllm = _mamba_ssm(), _vllm()
     for batch, seqlen, heads, headdim, dstate, groups, chunk in PAPER[:1] if quick else PAPER:
         case = f"b{batch}_h{heads}_n{seqlen}_p{headdim}_s{dstate}_g{groups}_c{chunk}"
+        if not _wanted("mamba2_ssd", case):
+            continue
         per_set = _bytes(batch, seqlen, heads, headdim, dstate, groups)
         sets = copies_to_defeat_l2(per_set, cap=4)
         inp = _inputs(batch, seqlen, heads, headdim, dstate, groups, sets)
@@ -220,8 +231,10 @@ def run(quick: bool = False) -> list[Row]:
     rng = random.Random(0)
     for heads, headdim, dstate, groups, chunk in SERVING[:1] if quick else SERVING:
         case = f"varlen{SERVING_SEQS}_h{heads}_p{headdim}_s{dstate}_g{groups}_c{chunk}_8k"
-        cuts = sorted(rng.sample(range(1, SERVING_TOKENS), SERVING_SEQS - 1))
+        cuts = sorted(rng.sample(range(1, SERVING_TOKENS), SERVING_SEQS - 1))  # drawn for skipped cases too
         lengths = [b - a for a, b in zip([0] + cuts, cuts + [SERVING_TOKENS])]
+        if not _wanted("mamba2_ssd", case):
+            continue
         meta = _vllm_chunk_metadata(lengths, chunk, "cuda")
         per_set = _bytes(1, SERVING_TOKENS, heads, headdim, dstate, groups)
         sets = copies_to_defeat_l2(per_set, cap=4)
