@@ -469,3 +469,14 @@ def test_gemm_bench_runs_only_the_cases_named(monkeypatch):
     monkeypatch.setenv("TK_GEMM_CASES", "4096x4096x63")
     with pytest.raises(SystemExit, match="does not have"):
         gemm_bench.run()
+
+
+def test_mamba2_cases_are_selected_by_kernel_and_case(monkeypatch):
+    from benches import mamba2
+
+    monkeypatch.setenv("TK_BENCH_CASES", "mamba2_update:,varlen8")
+    assert mamba2._wanted("mamba2_update", "b128_h80_p64_s128_g1")
+    assert mamba2._wanted("mamba2_ssd", "varlen8_h80_p64_s128_g1_c256_8k")
+    assert not mamba2._wanted("mamba2_ssd", "b16_h16_n1024_p64_s64_g1_c64")
+    monkeypatch.delenv("TK_BENCH_CASES")
+    assert mamba2._wanted("mamba2_ssd", "b16_h16_n1024_p64_s64_g1_c64")
