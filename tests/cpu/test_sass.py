@@ -70,3 +70,14 @@ def test_fp8_query_decode_multiplies_in_fp8(kernels):
     sources), all decode's (docs/findings/decode.md#decode-fp8-query)."""
     fp8 = [name for name, lines in kernels.items() if any("QGMMA" in x and "E4M3.E4M3" in x for x in lines)]
     assert len(fp8) == 16 and all("decode" in name for name in fp8), [name[:120] for name in fp8]
+
+
+def test_the_mamba_decode_update_moves_its_state_in_16_byte_accesses_without_local_memory(kernels):
+    """The decode update is bound by the bytes it streams (docs/findings/ssd.md#ssd-update-vec): its vector kernels read
+    and write each state slice as one 128-bit access and keep everything in registers; the old one-element-a-lane
+    kernel (0.14 TB/s at batch 128) took every such row."""
+    vec = {name: lines for name, lines in kernels.items() if "ssd_update_vec_kernel" in name}
+    assert len(vec) >= 12, sorted(k for k in kernels if "ssd_update" in k)  # {bf16, f16} x {T, float} x 64/128/256
+    for name, lines in vec.items():
+        assert any("LDG.E.128" in x for x in lines) and any("STG.E.128" in x for x in lines), name[:120]
+        assert not any(LOCAL_MEMORY.match(x) for x in lines), name[:120]
