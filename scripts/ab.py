@@ -12,9 +12,9 @@ bench runs once per tree, in turn (base, variants, then base again, so that drif
 variants and base N times and reports medians). PATCH=fam1,fam2 times that variant on those families
 only (the families run are the union of --family and these); A.patch+B.patch is one variant with both applied. Prints, per case, every
 variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each. $OUT/ab/ gets few files
-(a device call brings back only so many): report.txt and runs.json, rewritten after every bench run so that a call
-stopped at its limit keeps what finished, plus the build and test logs; each run's own JSON and log stay under
---root/runs (a failed run's log tail is printed). The bench table of bench/results is not touched.
+(a device call brings back at most 8): report.txt and runs.json, rewritten after every bench run so that a call
+stopped at its limit keeps what finished; build and test logs and each run's own JSON and log stay under --root/runs
+(a failure's lines are printed). The bench table of bench/results is not touched.
 """
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def main() -> int:
     jobs = max(1, (os.cpu_count() or 16) // max(1, len(native) + (0 if base_built else 1)))
     if args.incremental:
         cores = os.cpu_count() or 16
-        built = {"base": build(REPO, cores, out / "build_base.log")}
+        built = {"base": build(REPO, cores, run_dir / "build_base.log")}
         saved = args.root / "_base_extension"
         if saved.exists():
             shutil.rmtree(saved)
@@ -200,21 +200,27 @@ def main() -> int:
             shutil.copy2(lib, saved / lib.name)
         try:
             for n in native:
-                built[n] = built["base"] and build_in_place(patches[n], trees[n], cores, out / f"build_{n}.log")
+                built[n] = built["base"] and build_in_place(patches[n], trees[n], cores, run_dir / f"build_{n}.log")
         finally:  # the base's own extension back in place (its sources are back already)
             for lib in libs:
                 shutil.copy2(saved / lib.name, lib)
     else:
         with ThreadPoolExecutor(len(native) + 1) as pool:
-            built = dict(zip(["base", *native], pool.map(lambda t: build(t, jobs, out / f"build_{t.name}.log"),
-                                                         [REPO, *(trees[n] for n in native)])))
+            names = ["base", *native]
+            built = dict(zip(names, pool.map(lambda n: build(REPO if n == "base" else trees[n], jobs,
+                                                             run_dir / f"build_{n}.log"), names)))
     for n in trees:  # a Python-only variant imports the base's extension: no second build
         if n not in native:
             built[n] = built["base"] and reuse_extension(trees[n])
     print("built:", built, flush=True)
+    for n, ok in built.items():  # the why, here: only report.txt and runs.json come back from the call
+        log = run_dir / f"build_{n}.log"
+        if not ok and log.exists():
+            errors = [x for x in log.read_text().splitlines() if "error" in x.lower()][:12]
+            print(f"{n}: build failed" + "".join(f"\n  | {x[:300]}" for x in errors), flush=True)
     trees = {n: t for n, t in trees.items() if built[n]}
     if not built["base"]:
-        print("the base does not build: see", out / "build_base.log")
+        print("the base does not build: see", run_dir / "build_base.log")
         return 1
     for n, tree in [("base", REPO), *trees.items()]:  # each tree imports its own build
         found = subprocess.run([sys.executable, "-c", "import tk_backend; print(tk_backend.__file__)"], cwd=tree,
@@ -222,10 +228,10 @@ def main() -> int:
         print(f"{n}: tk_backend from {found.stdout.strip() or found.stderr[-300:]}", flush=True)
     for n, tree in list(trees.items()):
         for test in tests_of.get(n, []):
-            rc = run_in(tree, ["-m", "pytest", "-q", "-x", test], out / f"test_{n}.log", timeout=args.test_timeout)
+            rc = run_in(tree, ["-m", "pytest", "-q", "-x", test], run_dir / f"test_{n}.log", timeout=args.test_timeout)
             print(f"{n}: {test} rc={rc}", flush=True)
             if rc != 0:  # the why, here: the device call may not bring every log back
-                failed = [x for x in (out / f"test_{n}.log").read_text().splitlines() if x.strip()]
+                failed = [x for x in (run_dir / f"test_{n}.log").read_text().splitlines() if x.strip()]
                 print("\n".join(f"  | {x[:300]}" for x in failed[-12:]), flush=True)
                 trees.pop(n)  # a variant that fails its tests is not timed
                 break
