@@ -56,7 +56,7 @@ def register() -> None:
 
     # The optional integrations below must never take the attention backend down with them: a failure is
     # logged with its reason and only that integration is missing.
-    # Mamba-2: MambaMixer2's SSD scan / state update on TK's kernels, opt-in (this backend selected, or
+    # Mamba-2: MambaMixer2's SSD scan on TK's kernels when this backend is selected (the state update too with
     # TK_MAMBA=1); installed once vLLM imports its mixer module. See mamba.py.
     try:
         from tk_backend.vllm import mamba
