@@ -1,6 +1,7 @@
 """Mamba-2 SSD family: tk's chunked scan vs mamba_ssm's Triton mamba_chunk_scan_combined and vLLM's Triton varlen
 scan, same inputs, CUDA-graph replay. Paper cases (ThunderKittens: B=H=16, headdim 64, dstate 64, chunk 64) and
-serving cases (8 packed sequences of random lengths summing to 8192 tokens, 80 heads, dstate 128, chunk 256).
+serving cases (8 packed sequences of random lengths summing to 8192 tokens, 80 heads, dstate 128, chunk 256; and
+one 8192-token sequence alone), and the decode state update (kernel mamba2_update) against vLLM's Triton one.
 
 Peers are imported lazily: mamba_ssm from the pure-Python wheel in .whl_ssm (its package __init__ imports the
 compiled selective_scan_cuda, which this module stubs in a temp dir), and vLLM's mamba_chunk_scan_combined_varlen,
@@ -26,8 +27,10 @@ import tk_backend
 from benchlib import Row, copies_to_defeat_l2, selected, time_per_call
 
 PAPER = [(16, n, 16, 64, 64, 1, 64) for n in (1024, 4096, 16384)]  # batch, seqlen, heads, headdim, dstate, groups, chunk
-SERVING = [(80, 64, 128, 1, 256), (80, 64, 128, 8, 256)]            # heads, headdim, dstate, groups, chunk
-SERVING_TOKENS, SERVING_SEQS = 8192, 8
+# heads, headdim, dstate, groups, chunk, sequences: 8 packed prompts, and one 8k prompt alone (a chunked-prefill step of a
+# long prompt: the scan's chain over its chunks is the whole time, where vLLM's Triton scan works on the chunks at once)
+SERVING = [(80, 64, 128, 1, 256, 8), (80, 64, 128, 8, 256, 8), (80, 64, 128, 1, 256, 1)]
+SERVING_TOKENS = 8192
 # Decode state updates (kernel mamba2_update), as the served models call them: Mamba2-2.7B's layer (80 heads,
 # 1 group) at batch 1-256, NemotronH-8B's (128 heads, 8 groups), Falcon-H1-1.5B's (48 heads, dstate 256).
 UPDATE = [(1, 80, 64, 128, 1), (32, 80, 64, 128, 1), (128, 80, 64, 128, 1), (256, 80, 64, 128, 1),
@@ -229,9 +232,9 @@ def run(quick: bool = False) -> list[Row]:
         del inp, outs
         torch.cuda.empty_cache()
     rng = random.Random(0)
-    for heads, headdim, dstate, groups, chunk in SERVING[:1] if quick else SERVING:
-        case = f"varlen{SERVING_SEQS}_h{heads}_p{headdim}_s{dstate}_g{groups}_c{chunk}_8k"
-        cuts = sorted(rng.sample(range(1, SERVING_TOKENS), SERVING_SEQS - 1))  # drawn for skipped cases too
+    for heads, headdim, dstate, groups, chunk, seqs in SERVING[:1] if quick else SERVING:
+        case = f"varlen{seqs}_h{heads}_p{headdim}_s{dstate}_g{groups}_c{chunk}_8k"
+        cuts = sorted(rng.sample(range(1, SERVING_TOKENS), seqs - 1))  # drawn for skipped cases too
         lengths = [b - a for a, b in zip([0] + cuts, cuts + [SERVING_TOKENS])]
         if not _wanted("mamba2_ssd", case):
             continue
@@ -239,7 +242,7 @@ def run(quick: bool = False) -> list[Row]:
         per_set = _bytes(1, SERVING_TOKENS, heads, headdim, dstate, groups)
         sets = copies_to_defeat_l2(per_set, cap=4)
         inp = _inputs(1, SERVING_TOKENS, heads, headdim, dstate, groups, sets)
-        states0 = [torch.randn(SERVING_SEQS, heads, headdim, dstate, device="cuda") * 0.1 for _ in range(sets)]
+        states0 = [torch.randn(seqs, heads, headdim, dstate, device="cuda") * 0.1 for _ in range(sets)]
         outs = [torch.empty_like(i["x"][0]) for i in inp]
         cu = meta["cu_seqlens"]
 
