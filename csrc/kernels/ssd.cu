@@ -542,9 +542,10 @@ void launch_update_vec(const tk::ssd_update_problem& p, cudaStream_t stream) {
 
 template <typename T, typename S>
 void update_state(const tk::ssd_update_problem& p, cudaStream_t stream) {
-  if (rows_aligned<S>(p) && p.dstate == 64) launch_update_vec<T, S, 64>(p, stream);
-  else if (rows_aligned<S>(p) && p.dstate == 128) launch_update_vec<T, S, 128>(p, stream);
-  else if (rows_aligned<S>(p) && p.dstate == 256) launch_update_vec<T, S, 256>(p, stream);
+  const bool vec = rows_aligned<S>(p);
+  if (vec && p.dstate == 64) launch_update_vec<T, S, 64>(p, stream);
+  else if (vec && p.dstate == 128) launch_update_vec<T, S, 128>(p, stream);
+  else if (vec && p.dstate == 256) launch_update_vec<T, S, 256>(p, stream);
   else ssd_update_kernel<T, S><<<dim3(p.batch, p.heads), 128, 0, stream>>>(p);
   TK_LAUNCH_CHECK();
 }

@@ -112,6 +112,20 @@ def _vllm_chunk_metadata(lengths: list[int], chunk: int, device, computed: list[
     return dict(cu_seqlens=as_t(cu), cu_chunk_seqlens=as_t(bounds), seq_idx=as_t(seq_idx), last_chunk_indices=as_t(last))
 
 
+def _timed(kernel: str, case: str, name: str, call, sets: int, per_set: int, check=None) -> Row | str:
+    """name's row (check() first, if given: it raises when the peer's result differs from tk's), or the skip line of
+    a peer that failed (tk's own failure raises)."""
+    try:
+        if check is not None:
+            check()
+        ms = time_per_call(call, sets)
+    except Exception as exc:  # noqa: BLE001 (a peer's API drift must not sink the family)
+        if name == "tk":
+            raise
+        return _skip(name, f"failed on {kernel} {case}", exc)
+    return Row(kernel, case, name, ms, tbps=per_set / ms / 1e9)
+
+
 def _vllm_update():
     try:
         from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
@@ -159,30 +173,25 @@ def _update_rows(vllm_update, quick: bool) -> list[Row]:
                 vllm_update(d["state"], d["x"], d["dt"], A, d["B"], d["C"], D, dt_bias, dt_softplus=True,
                             state_batch_indices=d["idx"], out=d["out"])
             impls["vllm_triton"] = vllm_call
+
+        def same_as_tk():  # the same step on copies must give tk's y and state
+            d = inp[0]
+            s0 = d["state"].clone()
+            tk_call(0)
+            y_tk, s_tk = d["out"].float().clone(), d["state"].float().clone()
+            d["state"].copy_(s0)
+            impls["vllm_triton"](0)
+            torch.cuda.synchronize()
+            diff = max((d["out"].float() - y_tk).abs().max().item(), (d["state"].float() - s_tk).abs().max().item())
+            scale = max(y_tk.abs().max().item(), 1.0)
+            print(f"mamba2_update: {case}: vllm_triton vs tk max |difference| {diff:.3g} (max |y| {scale:.3g})",
+                  flush=True)
+            if not math.isfinite(diff) or diff > 0.05 * scale:
+                raise ValueError(f"vllm_triton's update differs from tk's by {diff:.3g}")
         for name, call in selected(impls).items():
-            try:
-                if name == "vllm_triton":  # the same step on copies must give tk's y and state
-                    d = inp[0]
-                    s0 = d["state"].clone()
-                    tk_call(0)
-                    y_tk, s_tk = d["out"].float().clone(), d["state"].float().clone()
-                    d["state"].copy_(s0)
-                    call(0)
-                    torch.cuda.synchronize()
-                    diff = max((d["out"].float() - y_tk).abs().max().item(),
-                               (d["state"].float() - s_tk).abs().max().item())
-                    scale = max(y_tk.abs().max().item(), 1.0)
-                    print(f"mamba2_update: {case}: vllm_triton vs tk max |difference| {diff:.3g} (max |y| {scale:.3g})",
-                          flush=True)
-                    if not math.isfinite(diff) or diff > 0.05 * scale:
-                        raise ValueError(f"vllm_triton's update differs from tk's by {diff:.3g}")
-                ms = time_per_call(call, sets)
-            except Exception as exc:  # noqa: BLE001
-                if name == "tk":
-                    raise
-                _skip(name, f"failed on mamba2_update {case}", exc)
-                continue
-            rows.append(Row("mamba2_update", case, name, ms, tbps=per_set / ms / 1e9))
+            r = _timed("mamba2_update", case, name, call, sets, per_set, same_as_tk if name == "vllm_triton" else None)
+            if isinstance(r, Row):
+                rows.append(r)
         del inp
         torch.cuda.empty_cache()
     return rows
@@ -221,14 +230,9 @@ def run(quick: bool = False) -> list[Row]:
         if ssm is not None:
             impls["mamba_ssm"] = lambda i: ssm(**inp[i], chunk_size=chunk, dt_softplus=True)
         for name, call in selected(impls).items():
-            try:
-                ms = time_per_call(call, sets)
-            except Exception as exc:  # noqa: BLE001
-                if name == "tk":
-                    raise
-                _skip(name, f"failed on {case}", exc)
-                continue
-            rows.append(Row("mamba2_ssd", case, name, ms, tbps=per_set / ms / 1e9))
+            r = _timed("mamba2_ssd", case, name, call, sets, per_set)
+            if isinstance(r, Row):
+                rows.append(r)
         del inp, outs
         torch.cuda.empty_cache()
     rng = random.Random(0)
@@ -262,26 +266,23 @@ def run(quick: bool = False) -> list[Row]:
                             D=d["D"], z=None, dt_bias=d["dt_bias"], initial_states=states0[i], dt_softplus=True,
                             dt_limit=(0.0, math.inf), return_intermediate_states=False, state_dtype=torch.float32)
             impls["vllm_triton"] = vllm_call
+        def same_as_tk():  # a wrong call must not time as a fast one
+            tk_call(0)
+            impls["vllm_triton"](0)
+            torch.cuda.synchronize()
+            diff = (vllm_outs[0].float() - outs[0].float()).abs().max().item()
+            scale = outs[0].float().abs().max().item()
+            print(f"mamba2_ssd: {case}: vllm_triton vs tk max |y difference| {diff:.3g} (max |y| {scale:.3g})",
+                  flush=True)
+            if not math.isfinite(diff) or diff > 0.05 * max(scale, 1.0):
+                raise ValueError(f"vllm_triton's output differs from tk's by {diff:.3g} (max |y| {scale:.3g})")
         notes = []
         for name, call in selected(impls).items():
-            try:
-                if name == "vllm_triton":  # a wrong call must not time as a fast one
-                    tk_call(0)
-                    call(0)
-                    torch.cuda.synchronize()
-                    diff = (vllm_outs[0].float() - outs[0].float()).abs().max().item()
-                    scale = outs[0].float().abs().max().item()
-                    print(f"mamba2_ssd: {case}: vllm_triton vs tk max |y difference| {diff:.3g} (max |y| {scale:.3g})",
-                          flush=True)
-                    if not math.isfinite(diff) or diff > 0.05 * max(scale, 1.0):
-                        raise ValueError(f"vllm_triton's output differs from tk's by {diff:.3g} (max |y| {scale:.3g})")
-                ms = time_per_call(call, sets)
-            except Exception as exc:  # noqa: BLE001 (a peer's API drift must not sink the family)
-                if name == "tk":
-                    raise
-                notes.append(_skip(name, f"failed on {case}", exc).removeprefix("mamba2_ssd: "))
-                continue
-            rows.append(Row("mamba2_ssd", case, name, ms, tbps=per_set / ms / 1e9))
+            r = _timed("mamba2_ssd", case, name, call, sets, per_set, same_as_tk if name == "vllm_triton" else None)
+            if isinstance(r, Row):
+                rows.append(r)
+            else:
+                notes.append(r.removeprefix("mamba2_ssd: "))
         if vllm is None:
             notes.append("vllm_triton skipped (not importable)")
         for r in rows:

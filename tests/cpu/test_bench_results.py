@@ -62,6 +62,16 @@ def _write_bench_rows(args: list[str], ms: float) -> None:
     Path(args[4]).write_text(json.dumps({"results": [{"kernel": args[2], "case": "c", "impl": "tk", "median_ms": ms}]}))
 
 
+def _ab_with_fake_builds(monkeypatch, tmp_path: Path):
+    """scripts/ab.py with $OUT in tmp_path and every build (and reuse of the base's extension) a success."""
+    import ab
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
+    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    return ab
+
+
 def _patches_adding_a_file_each(folder: Path, names: tuple[str, ...]) -> None:
     """Patches NAME.patch that each add NAME.txt (the repo's ab/ patches come and go)."""
     folder.mkdir()
@@ -87,11 +97,7 @@ def test_ab_builds_only_variants_that_change_the_extension(tmp_path):
 
 def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_path, monkeypatch):
     """Orchestration with the builds and benches faked: a variant whose name starts with "base" is still a variant."""
-    import ab
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
-    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     ran = []
 
     def fake_run(tree, args, log, timeout=900):
@@ -165,11 +171,7 @@ def test_ab_incremental_builds_each_variant_in_place_then_restores_the_base(tmp_
 
 
 def test_ab_rounds_interleave_variants_and_base(tmp_path, monkeypatch):
-    import ab
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
-    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     ran, variant_ms = [], iter([0.7, 0.9, 0.8])
 
     def fake_run(tree, args, log, timeout=900):
@@ -192,11 +194,7 @@ def test_ab_rounds_interleave_variants_and_base(tmp_path, monkeypatch):
 def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypatch):
     """A call stopped at its limit mid-way (here: the second family's variant bench blows up) keeps the report of
     every run already timed."""
-    import ab
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
-    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    ab = _ab_with_fake_builds(monkeypatch, tmp_path)
 
     def fake_run(tree, args, log, timeout=900):
         if args[0] == "scripts/bench.py":
@@ -224,11 +222,7 @@ def test_ab_keeps_its_out_folder_small_and_its_report_current_after_every_run(tm
     draw."""
     import json
 
-    import ab
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
-    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     calls = []
 
     def fake_run(tree, args, log, timeout=900):
@@ -265,11 +259,7 @@ def test_ab_run_in_kills_a_command_past_its_timeout(tmp_path):
 
 
 def test_ab_drops_a_variant_whose_test_times_out(tmp_path, monkeypatch):
-    import ab
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(ab, "build", lambda tree, jobs, log: True)
-    monkeypatch.setattr(ab, "reuse_extension", lambda tree: True)
+    ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     benched, timeouts = [], []
 
     def fake_run(tree, args, log, timeout=900):
@@ -480,3 +470,19 @@ def test_mamba2_cases_are_selected_by_kernel_and_case(monkeypatch):
     assert not mamba2._wanted("mamba2_ssd", "b16_h16_n1024_p64_s64_g1_c64")
     monkeypatch.delenv("TK_BENCH_CASES")
     assert mamba2._wanted("mamba2_ssd", "b16_h16_n1024_p64_s64_g1_c64")
+
+
+def test_mamba2_timing_skips_a_failing_peer_but_not_tk(monkeypatch):
+    from benches import mamba2
+
+    monkeypatch.setattr(mamba2, "time_per_call", lambda call, sets: 0.5)
+    row = mamba2._timed("mamba2_update", "c", "tk", None, 1, 10**9)  # 1 GB in 0.5 ms: 2 TB/s
+    assert (row.impl, row.median_ms, row.tbps) == ("tk", 0.5, 2.0)
+
+    def differs():
+        raise ValueError("differs from tk's")
+
+    skipped = mamba2._timed("mamba2_update", "c", "vllm_triton", None, 1, 10**6, differs)
+    assert isinstance(skipped, str) and "vllm_triton" in skipped and "differs" in skipped
+    with pytest.raises(ValueError):
+        mamba2._timed("mamba2_update", "c", "tk", None, 1, 10**6, differs)
