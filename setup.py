@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import glob
 import os
+import shlex
 import shutil
+import subprocess
 import sys
+import sysconfig
 
 from setuptools import setup
 
@@ -35,6 +38,25 @@ def _find_cuda_home() -> None:
         ):
             os.environ["CUDA_HOME"] = home
             return
+
+
+def _shared_libstdcxx() -> list[str]:
+    """Link flags that keep libstdc++ a shared library. A compiler whose libstdc++.so development link is missing or
+    dangling (the GPU host's /opt/gcc wrapper: libstdc++.so -> a libstdc++.so.6 that is not there) links libstdc++.a
+    into the extension instead: a second copy of the C++ runtime in torch's process, whose stream facets are never
+    set up, so the first error message that formats a number kills the process with SIGSEGV
+    (docs/findings/serving.md#fp8-binding-segv). Then name the runtime's shared object itself."""
+    cxx = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "g++")
+    try:
+        found = subprocess.run([*cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if os.path.isabs(found) and os.path.exists(found):  # exists() follows the link: the driver links it shared
+        return []
+    sys.stderr.write(f"tk_backend: {cxx[0]} has no usable libstdc++.so (found {found!r}); linking -l:libstdc++.so.6 "
+                     "so that libstdc++ stays shared\n")
+    return ["-l:libstdc++.so.6"]
 
 
 def _extension():
@@ -77,8 +99,10 @@ def _extension():
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args={"cxx": ["-std=c++20", "-O3", "-DNDEBUG"], "nvcc": nvcc_flags},
+        extra_link_args=_shared_libstdcxx(),
     ), BuildExtension
 
 
-_ext, _build = _extension()
-setup(ext_modules=[_ext], cmdclass={"build_ext": _build})
+if __name__ == "__main__":  # pip's build backend runs it as __main__; tests import its helpers
+    _ext, _build = _extension()
+    setup(ext_modules=[_ext], cmdclass={"build_ext": _build})

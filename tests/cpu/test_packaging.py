@@ -76,3 +76,43 @@ def test_an_installed_copy_reads_its_own_configs(wheel, tmp_path):
     for key in ("package", "extension", "configs"):
         assert Path(found[key]).resolve().is_relative_to(target.resolve()), found
     assert found["buckets"] > 0, found
+
+
+def _setup_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tk_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: defines the helpers, builds nothing
+    return module
+
+
+def _fake_compiler(tmp_path: Path, prints: str) -> str:
+    script = tmp_path / "cxx"
+    script.write_text(f"#!/bin/sh\necho '{prints}'\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("found", ["bare", "dangling", "present"])
+def test_setup_keeps_libstdcxx_shared_when_the_compiler_would_link_it_statically(tmp_path, monkeypatch, found):
+    """A compiler with no usable libstdc++.so (the GPU host's: a dangling link) links libstdc++.a into the extension,
+    whose second C++ runtime crashes the first error message that prints a number; setup.py then names the shared
+    runtime itself, and adds nothing where the driver links it shared anyway."""
+    present = tmp_path / "libstdc++.so"
+    present.write_text("")
+    dangling = tmp_path / "gone" / "libstdc++.so"
+    prints = {"bare": "libstdc++.so", "dangling": str(dangling), "present": str(present)}[found]
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path, prints))
+    flags = _setup_module()._shared_libstdcxx()
+    assert flags == ([] if found == "present" else ["-l:libstdc++.so.6"])
+
+
+def test_the_built_extension_links_the_shared_cxx_runtime():
+    """The symptom's check: tk_backend._C needs libstdc++.so.6 rather than carrying a copy of it."""
+    built = sorted((ROOT / "tk_backend").glob("_C*.so"))
+    if not built:
+        pytest.skip("tk_backend._C is not built in place (scripts/setup_env.sh builds it)")
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf (binutils) is not installed")
+    dynamic = subprocess.run(["readelf", "-d", str(built[0])], capture_output=True, text=True, timeout=60).stdout
+    assert "[libstdc++.so.6]" in dynamic, f"{built[0].name} does not link libstdc++ shared:\n{dynamic}"
