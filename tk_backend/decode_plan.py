@@ -350,6 +350,13 @@ def full_length_step_chunk(plan: DecodePlan) -> int:
 KV64_STEP_CHUNKS = (1024, 4096)
 
 
+def balanced_fp8_kv128(plan: DecodePlan) -> bool:
+    """Balanced mode over fp8 caches runs 128-key tiles at batch >= 8 with tables up to 32k tokens, or batch >= 64
+    at any width: measured 0.94-0.98x the 64-key tiles' time there, 1.02-1.04x at batch 1 and at batch 8 under a
+    128k-token table, whose short steps the full-width plan over-counts (docs/findings/decode.md#decode-fp8-query)."""
+    return plan.batch >= 64 or (plan.batch >= 8 and plan.max_context <= 32768)
+
+
 @functools.lru_cache(maxsize=256)
 def kv_tile(plan: DecodePlan, balanced: bool) -> int:
     """The decode kernel's K/V tile for `plan` (64 or 128 keys; see KV64_STEP_CHUNKS). Over FP8 caches the D=128
@@ -358,7 +365,7 @@ def kv_tile(plan: DecodePlan, balanced: bool) -> int:
     if plan.head_dim != 128:
         return 128
     if balanced:
-        return 64
+        return 128 if plan.kv_dtype != "16bit" and balanced_fp8_kv128(plan) else 64
     lo, hi = KV64_STEP_CHUNKS
     return 64 if lo <= full_length_step_chunk(plan) <= hi else 128
 

@@ -64,7 +64,15 @@ def _addressable(t: torch.Tensor, name: str) -> None:
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+    """t as float32, its broadcast (stride-0) dims kept: vLLM's mixer passes dt as a 16-bit [batch, nheads] view
+    expanded over headdim, and a plain .float() would write it out whole, which also hides the per-head form from
+    the update kernel (it reads the strides)."""
+    if t.dtype == torch.float32:
+        return t
+    if t.numel() > 1 and 0 in t.stride():
+        compact = t[tuple(slice(0, 1) if st == 0 else slice(None) for st in t.stride())]
+        return compact.float().expand(t.shape)
+    return t.float()
 
 
 def _dt_limit(dt_limit: object) -> tuple[float, float]:

@@ -391,6 +391,18 @@ def test_kv_tile_follows_the_full_length_step_chunk(batch, context, tile):
     assert decode_plan.kv_tile(fp8, False) == (64 if lo <= decode_plan.full_length_step_chunk(fp8) <= hi else 128)
 
 
+@pytest.mark.parametrize("batch, width, tile", [
+    (1, 8192, 64), (1, 32768, 64), (1, 131072, 64),   # one sequence: 64-key pieces stream it faster
+    (8, 8192, 128), (8, 32768, 128),                   # 128-key tiles 0.98x / 0.94x
+    (8, 131072, 64),                                   # short steps under a wide table
+    (64, 131072, 128),                                 # 0.96x
+])
+def test_balanced_fp8_tiles(batch, width, tile):
+    fp8 = decode_plan.make_plan(batch, width, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200", kv_dtype="fp8_e4m3")
+    assert decode_plan.kv_tile(fp8, True) == tile
+    assert decode_plan.kv_tile(_h200_plan(batch, width), True) == 64  # a 16-bit cache's balanced pieces: 64 keys
+
+
 def test_no_coarsening_when_splits_are_forced_or_each_slot_has_a_cta():
     assert _h200_plan(8, 8192, num_splits=8).coarsen_levels == 0  # flash-attn's num_splits means what it says
     direct = _h200_plan(1, 32768)  # 8 kv heads x 16 chunks = 128 slots <= 132 CTAs: a CTA a slot

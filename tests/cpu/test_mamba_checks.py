@@ -130,3 +130,15 @@ def test_reference_update_with_cache_slots(seed):
     assert_close(state, expected_state, rel=1e-6, atol=1e-6, what="slots")
     assert_close(y[[0, 2, 3]], y_rows, rel=1e-6, atol=1e-6, what="y")
     assert torch.equal(y[1], torch.zeros_like(y[1]))
+
+
+def test_float32_conversion_keeps_broadcast_dims():
+    """vLLM's mixer passes dt as a bf16 [batch, nheads] view expanded over headdim: converted, it stays a view with
+    a zero stride (the update kernel's per-head form reads the strides), and its values are dt's."""
+    dt = torch.randn(4, 3, dtype=torch.bfloat16)[:, :, None].expand(-1, -1, 5)
+    f = mamba._f32(dt)
+    assert f.dtype == torch.float32 and f.stride() == (3, 1, 0) and torch.equal(f, dt.float())
+    per_head = torch.randn(3, dtype=torch.float16)[:, None, None].expand(-1, 5, 7)
+    assert mamba._f32(per_head).stride() == (1, 0, 0)
+    dense = torch.randn(2, 3, dtype=torch.float16)
+    assert mamba._f32(dense).stride() == (3, 1) and torch.equal(mamba._f32(dense), dense.float())

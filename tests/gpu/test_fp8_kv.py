@@ -144,9 +144,11 @@ def _planned_step(rng, contexts, width, num_splits):
     (_MANY, 8192, 4, ("scheduled", 64)),                     # each CTA works out its range
     (_MANY + _MANY[:16], 8192, 1, ("scheduled", 128)),       # one item a sequence (a 16-bit q: 64-key tiles)
     ([100_000, 17], 131072, 0, ("balanced", 64)),            # one long sequence in a wide table
+    ([20000, 3, 30000, 500, 32768, 17, 9000, 12000], 32768, 0, ("balanced", 128)),  # batch 8 (balanced_fp8_kv128)
 ])
 def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
-    """Every schedule the split kernel runs (direct, self-scheduled, balanced) over fp8 (64-key tiles at D=128)."""
+    """Every schedule the split kernel runs (direct, self-scheduled, balanced) over fp8 (64- and 128-key tiles at
+    D=128)."""
     rng = random.Random(seed)
     q, k, v, seqlens, table, decode = _planned_step(rng, contexts, width, num_splits)
     hkv = k.shape[2]

@@ -76,6 +76,7 @@ struct attn_decode_split {
   using converted_block = std::conditional_t<P.fp8_q, converted_v, converted_kv>;
   static constexpr int converted_stages = P.fp8_kv ? P.converted_stages : 0;
   static constexpr bool reads_raw_stage = P.fp8_q;
+  static constexpr bool defers_converted = P.fp8_q;  // step j's products read V only of tile j - 1 (S_j: raw K_j)
   using compute_block = std::conditional_t<
       P.fp8_q, lcsf::both_stages<input_block, converted_block>,
       std::conditional_t<P.fp8_kv, converted_block, input_block>>;

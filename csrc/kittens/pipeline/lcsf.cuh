@@ -39,6 +39,10 @@
 //                                            gets a both_stages& {raw, converted}; a raw stage is freed once the
 //                                            converting warps and the consumers (right after that stage's compute,
 //                                            which waits for its products of it) are done with it
+//   defers_converted = true                  (with reads_raw_stage) compute j reads the converted stage j only at
+//                                            step j + 1 or in drain (e.g. V_j for the next step's P V): the consumer
+//                                            waits for it there, not before compute j, so a step waits on its raw
+//                                            stage alone and the converting warps may finish a tile later
 // compute may leave its wgmma groups in flight: the template retires them `release_lag` stages late and only then
 // frees the stage.
 #pragma once
@@ -126,6 +130,10 @@ template <typename K> consteval bool reads_raw_stage() {
   if constexpr (requires { K::reads_raw_stage; }) return converts<K>() && K::reads_raw_stage;
   else return false;
 }
+template <typename K> consteval bool defers_converted() {
+  if constexpr (requires { K::defers_converted; }) return reads_raw_stage<K>() && K::defers_converted;
+  else return false;
+}
 // What compute reads with reads_raw_stage: the raw stage (e.g. e4m3 K for an e4m3 product) and the converted one.
 template <typename Raw, typename Converted> struct both_stages {
   const Raw& raw;
@@ -201,6 +209,8 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
   static_assert(!converts<K>() || (cluster == 1 && !staggered_pairs<K>() && !dynamic_tasks<K>() && !fed_tasks<K>() &&
                                    !prefetch_tasks<K>()),
                 "a converted ring: strided walks on single CTAs, one slot a step");
+  static_assert(!defers_converted<K>() || release_lag<K>() == 1,
+                "defers_converted: release lag 1 (a converted stage is freed a step after its deferred wait)");
   // The consumers' ring: the converted one where there is one, else the ring itself.
   constexpr int cstages = converts<K>() ? converted_stages<K>() : K::stages;
   semaphore *cfull = full, *cempty = empty;
@@ -315,7 +325,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       }
     };
     auto step_stage = [&](auto&& compute_it) {
-      wait(cfull[stage], phase);
+      if constexpr (!defers_converted<K>()) wait(cfull[stage], phase);  // (defers_converted: run_task waits)
       compute_it();
       warpgroup::mma_async_wait<release_lag<K>()>();  // lag 1: the previous stage's products are done with it
     };
@@ -366,7 +376,7 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
       // them); it sits the rest out (K::sit_out) and frees each stage.
       int own = t.iters;
       if constexpr (requires { K::own_iters(g, t, role); }) own = K::own_iters(g, t, role);
-      int previous = -1;
+      int previous = -1, previous_phase = 0;
       // reads_raw_stage: the raw ring's stage of the same step (both rings advance a stage a step), handed to
       // compute beside the converted one and freed right after that compute.
       auto on_stage = [&](auto&& compute_on) {
@@ -400,17 +410,20 @@ __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ 
         });
         release_raw();
         if constexpr (release_lag<K>() == 0) release(stage);
-        previous = stage;
+        previous = stage, previous_phase = phase;
         if (++stage == cstages) stage = 0, phase ^= 1;
       }
       for (int it = 1; it < own; it++) {
+        if constexpr (defers_converted<K>()) wait(cfull[previous], previous_phase);  // what compute `it` reads of it
         step_stage([&] { on_stage([&](auto& in) { K::compute(state, in, smem.scratch, g, t, it, role); }); });
         release_raw();
         if constexpr (release_lag<K>() == 0) release(stage);
         else release(previous);
-        previous = stage;
+        previous = stage, previous_phase = phase;
         if (++stage == cstages) stage = 0, phase ^= 1;
       }
+      if constexpr (defers_converted<K>())
+        if (previous >= 0) wait(cfull[previous], previous_phase);  // the last converted stage, for drain
       if constexpr (requires { K::drain(state, smem.scratch, g, t, role); })
         if (own > 0) K::drain(state, smem.scratch, g, t, role);
       warpgroup::mma_async_wait<0>();
