@@ -35,6 +35,8 @@ case "$mode" in
     bash .offline-vllm/part1/stage.sh 2>&1 | tail -1
     MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "${OUT:-/tmp}/build.log" 2>&1
     echo "editable build rc=$?"
+    # the host's compiler would link a second, static libstdc++ (docs/findings/serving.md#fp8-binding-segv)
+    python3 -m pytest -q tests/cpu/test_packaging.py -k cxx_runtime 2>&1 | tail -1
     [ $# -gt 0 ] && { peers; exec bash scripts/gpu_check.sh "$@"; } ;;
   vllm-b)
     bash .offline-vllm/part2/stage.sh 2>&1 | tail -1

@@ -19,7 +19,8 @@ for step in "${steps[@]}"; do
   case "$step" in
     build)
       MAX_JOBS=16 TK_PTXAS_VERBOSE=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1
-      rc=$?; [ $rc -ne 0 ] && { grep -E "error" "$OUT/build.log" | head -30; summary+=("build FAILED"); break; } ;;
+      rc=$?; [ $rc -ne 0 ] && { grep -E "error" "$OUT/build.log" | head -30; summary+=("build FAILED"); break; }
+      python3 -m pytest -q tests/cpu/test_packaging.py -k cxx_runtime 2>&1 | tail -1 ;;  # libstdc++ linked shared
     prims) timeout -k 10 300 python3 -m pytest -q -rs tests/gpu/test_primitives.py 2>&1 | tee "$OUT/prims.log" | tail -15; rc=${PIPESTATUS[0]} ;;
     tests) timeout -k 10 900 python3 -m pytest -q -rsP tests/gpu 2>&1 | tee "$OUT/tests.log" | tail -25; rc=${PIPESTATUS[0]} ;;
     # test:PATH [pytest args]: stops at the first failure, so its report is written before any later call limit
