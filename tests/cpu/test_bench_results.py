@@ -79,6 +79,15 @@ def _patches_adding_a_file_each(folder: Path, names: tuple[str, ...]) -> None:
         (folder / f"{name}.patch").write_text(f"--- /dev/null\n+++ b/{name}.txt\n@@ -0,0 +1 @@\n+{name}\n")
 
 
+def _ab_argv(monkeypatch, tmp_path: Path, variants: dict[str, str], *extra: str) -> None:
+    """ab.py's command line for patches NAME=FAMILY (each adding NAME.txt), the extra arguments, and --root
+    tmp_path/trees."""
+    patches = tmp_path / "patches"
+    _patches_adding_a_file_each(patches, tuple(variants))
+    monkeypatch.setattr(sys, "argv", ["ab.py", *(f"{patches / name}.patch={fam}" for name, fam in variants.items()),
+                                      *extra, "--root", str(tmp_path / "trees")])
+
+
 def test_ab_builds_only_variants_that_change_the_extension(tmp_path):
     import ab
 
@@ -107,18 +116,14 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
         return 0
 
     monkeypatch.setattr(ab, "run_in", fake_run)
-    root = tmp_path / "trees"
-    patches = tmp_path / "patches"
-    _patches_adding_a_file_each(patches, ("based-step-pipelined", "mask-branchless"))
-    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'based-step-pipelined.patch'}=based",
-                                      f"{patches / 'mask-branchless.patch'}=attn_decode",
-                                      "--test-for", "based-step-pipelined=tests/gpu/test_based.py",
-                                      "--root", str(root)])
+    _ab_argv(monkeypatch, tmp_path, {"based-step-pipelined": "based", "mask-branchless": "attn_decode"},
+             "--test-for", "based-step-pipelined=tests/gpu/test_based.py")
     assert ab.main() == 0
     benches = [(tree, fam) for tree, what, fam in ran if what == "scripts/bench.py"]
     assert benches == [("BASE", "based"), ("based-step-pipelined", "based"), ("BASE", "based"),
                        ("BASE", "attn_decode"), ("mask-branchless", "attn_decode"), ("BASE", "attn_decode")]
     assert ("based-step-pipelined", "-m", "-q") in ran  # its test ran before its bench
+    root = tmp_path / "trees"
     assert (root / "mask-branchless" / "mask-branchless.txt").exists()  # each variant's tree has its patch
     assert not (root / "mask-branchless" / "based-step-pipelined.txt").exists()
     report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
@@ -181,10 +186,7 @@ def test_ab_rounds_interleave_variants_and_base(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(ab, "run_in", fake_run)
-    patches = tmp_path / "patches"
-    _patches_adding_a_file_each(patches, ("v",))
-    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'v.patch'}=gemm", "--rounds", "3",
-                                      "--root", str(tmp_path / "trees")])
+    _ab_argv(monkeypatch, tmp_path, {"v": "gemm"}, "--rounds", "3")
     assert ab.main() == 0
     assert ran == ["BASE", "v", "BASE", "v", "BASE", "v", "BASE"]
     report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
@@ -204,10 +206,7 @@ def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypat
         return 0
 
     monkeypatch.setattr(ab, "run_in", fake_run)
-    patches = tmp_path / "patches"
-    _patches_adding_a_file_each(patches, ("first", "second"))
-    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'first.patch'}=based",
-                                      f"{patches / 'second.patch'}=attn_decode", "--root", str(tmp_path / "trees")])
+    _ab_argv(monkeypatch, tmp_path, {"first": "based", "second": "attn_decode"})
     with pytest.raises(subprocess.TimeoutExpired):
         ab.main()
     report = (tmp_path / "ab" / "report.txt").read_text().splitlines()
@@ -234,10 +233,7 @@ def test_ab_keeps_its_out_folder_small_and_its_report_current_after_every_run(tm
         return 0
 
     monkeypatch.setattr(ab, "run_in", fake_run)
-    patches = tmp_path / "patches"
-    _patches_adding_a_file_each(patches, ("v",))
-    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'v.patch'}=gemm", "--rounds", "2",
-                                      "--root", str(tmp_path / "trees")])
+    _ab_argv(monkeypatch, tmp_path, {"v": "gemm"}, "--rounds", "2")
     with pytest.raises(subprocess.TimeoutExpired):
         ab.main()
     assert all("--no-picture" in args for args in calls)
@@ -272,11 +268,8 @@ def test_ab_drops_a_variant_whose_test_times_out(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(ab, "run_in", fake_run)
-    patches = tmp_path / "patches"
-    _patches_adding_a_file_each(patches, ("hung", "fine"))
-    monkeypatch.setattr(sys, "argv", ["ab.py", f"{patches / 'hung.patch'}=gemm", f"{patches / 'fine.patch'}=gemm",
-                                      "--test", "tests/gpu/test_gemm.py", "--test-timeout", "77",
-                                      "--root", str(tmp_path / "trees")])
+    _ab_argv(monkeypatch, tmp_path, {"hung": "gemm", "fine": "gemm"}, "--test", "tests/gpu/test_gemm.py",
+             "--test-timeout", "77")
     assert ab.main() == 0
     assert timeouts == [77, 77]
     assert benched == ["BASE", "fine", "BASE"]
