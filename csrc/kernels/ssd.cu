@@ -369,10 +369,7 @@ void scan_dtype(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream)
 template <typename S>
 struct state_vec {  // 16 bytes of state, moved by one 128-bit access (asm: ptxas splits a uint4 store otherwise)
   static constexpr int n = 16 / sizeof(S);
-  __device__ static void load(const S* src, float (&v)[n]) {
-    uint32_t w[4];
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(src));
+  __device__ static void unpack(const uint32_t* w, float (&v)[n]) {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
       if constexpr (std::is_same_v<S, float>) {
@@ -385,8 +382,7 @@ struct state_vec {  // 16 bytes of state, moved by one 128-bit access (asm: ptxa
       }
     }
   }
-  __device__ static void store(S* dst, const float (&v)[n]) {
-    uint32_t w[4];
+  __device__ static void pack(const float (&v)[n], uint32_t* w) {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
       if constexpr (std::is_same_v<S, float>) {
@@ -396,6 +392,16 @@ struct state_vec {  // 16 bytes of state, moved by one 128-bit access (asm: ptxa
         memcpy(&w[i], &pair, sizeof pair);
       }
     }
+  }
+  __device__ static void load(const S* src, float (&v)[n]) {
+    uint32_t w[4];
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(src));
+    unpack(w, v);
+  }
+  __device__ static void store(S* dst, const float (&v)[n]) {
+    uint32_t w[4];
+    pack(v, w);
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
                  : "memory");
   }
@@ -485,6 +491,92 @@ __global__ void __launch_bounds__(128, 4) ssd_update_vec_kernel(const tk::ssd_up
   }
 }
 
+// vLLM's form (dt, A, D, dt_bias constant over a head's rows, no z; the state in x's dtype) where a (slot, head)
+// block is contiguous: the CTA copies the block into shared memory with one bulk copy, updates it there and copies
+// it back, so what is in flight is bounded by shared memory (8-32 KB a CTA), not by registers.
+template <typename T, int N, int P>
+struct ssd_update_bulk {
+  static constexpr int threads = 128;
+  static constexpr int VEC = 16 / sizeof(T);
+  static constexpr int TPR = N / VEC < WARP_THREADS ? N / VEC : WARP_THREADS;
+  static constexpr int EPT = N / TPR, NV = EPT / VEC;
+  static constexpr int RPP = threads / TPR;
+  static constexpr int passes = P / RPP;
+  static constexpr uint32_t bytes = uint32_t(P) * N * sizeof(T);
+  static_assert(P % RPP == 0 && bytes % 16 == 0 && bytes <= 48 * 1024);
+};
+
+template <typename T, int N, int P>
+__global__ void __launch_bounds__(128, 8) ssd_update_bulk_kernel(const tk::ssd_update_problem p) {
+  using K = ssd_update_bulk<T, N, P>;
+  extern __shared__ __align__(128) unsigned char block_bytes[];
+  __shared__ semaphore landed;
+  const int b = blockIdx.x, h = blockIdx.y;
+  const long slot = p.state_indices ? p.state_indices[b] : b;
+  if (p.state_indices && slot == p.pad_slot_id) return;
+  if (slot < 0 || slot >= p.num_states) return;  // a garbage slot id touches nothing
+  T* const state = static_cast<T*>(p.state) + slot * p.state_strides[0] + h * p.state_strides[1];
+  T* const block = reinterpret_cast<T*>(block_bytes);
+  if (threadIdx.x == 0) {
+    init_semaphore(landed, 1);
+    fence_semaphore_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    expect_bytes(landed, K::bytes);
+    tma::load_bytes_async(block, state, K::bytes, landed);
+  }
+  // While the block lands: the head's dt, exp(dt A) and D, the rows' x, B and C.
+  const int grp = h / (p.heads / p.groups);
+  const int sub = threadIdx.x % K::TPR, n0 = sub * K::EPT, r0 = threadIdx.x / K::TPR;
+  float dt = p.dt[b * p.dt_strides[0] + h * p.dt_strides[1]] + (p.dt_bias ? p.dt_bias[h * p.dt_bias_strides[0]] : 0.f);
+  if (p.dt_softplus) dt = softplus(dt);
+  const float da = __expf(dt * p.A[h * p.A_strides[0]]);
+  const float dskip = p.D ? p.D[h * p.D_strides[0]] : 0.f;
+  const T* const x = static_cast<const T*>(p.x) + b * p.x_strides[0] + h * p.x_strides[1];
+  const T* const Bv = static_cast<const T*>(p.B) + b * p.B_strides[0] + grp * p.B_strides[1] + n0;
+  const T* const Cv = static_cast<const T*>(p.C) + b * p.C_strides[0] + grp * p.C_strides[1] + n0;
+  float xv[K::passes], dbn[K::EPT], cn[K::EPT];
+#pragma unroll
+  for (int i = 0; i < K::passes; i++) xv[i] = convert<float>(x[r0 + i * K::RPP]);
+#pragma unroll
+  for (int e = 0; e < K::EPT; e++) dbn[e] = dt * convert<float>(Bv[e]), cn[e] = convert<float>(Cv[e]);
+  wait(landed, 0);
+#pragma unroll
+  for (int i = 0; i < K::passes; i++) {
+    const int row = r0 + i * K::RPP;
+    float acc = 0.f;
+#pragma unroll
+    for (int v = 0; v < K::NV; v++) {
+      T* const at = block + row * N + n0 + v * K::VEC;
+      uint32_t w[4];
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(at))));
+      float part[K::VEC];
+      state_vec<T>::unpack(w, part);
+#pragma unroll
+      for (int e = 0; e < K::VEC; e++) {
+        part[e] = part[e] * da + xv[i] * dbn[v * K::VEC + e];
+        acc += part[e] * cn[v * K::VEC + e];
+      }
+      state_vec<T>::pack(part, w);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(at))),
+                   "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+    }
+#pragma unroll
+    for (int m = K::TPR / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (sub == 0)
+      static_cast<T*>(p.out)[b * p.out_strides[0] + h * p.out_strides[1] + row] = convert<T>(acc + xv[i] * dskip);
+  }
+  fence_async_shared();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    tma::store_bytes_async(state, block, K::bytes);
+    tma::store_commit_group();
+    tma::store_wait_read<0>();  // the block stays until the copy has read it
+  }
+}
+
 // Any other shape (dstate outside 64 / 128 / 256, a state view whose rows are not 16-byte aligned): a CTA per
 // (batch row, head); warp w walks head-dim rows w, w + 4, ...; lanes split dstate.
 template <typename T, typename S>
@@ -540,8 +632,40 @@ void launch_update_vec(const tk::ssd_update_problem& p, cudaStream_t stream) {
   ssd_update_vec_kernel<T, S, N><<<grid, K::threads, 0, stream>>>(p);
 }
 
+// vLLM's form: dt [batch, heads, headdim] and A [heads, headdim, dstate] expanded from per-head values, D and dt_bias
+// [heads, headdim] likewise (or absent), no z.
+inline bool per_head(const tk::ssd_update_problem& p) {
+  return p.dt_strides[2] == 0 && p.A_strides[1] == 0 && p.A_strides[2] == 0 && (!p.D || p.D_strides[1] == 0) &&
+         (!p.dt_bias || p.dt_bias_strides[1] == 0) && !p.z;
+}
+
+template <typename T, int N, int P>
+void launch_update_bulk(const tk::ssd_update_problem& p, cudaStream_t stream) {
+  using K = ssd_update_bulk<T, N, P>;
+  ssd_update_bulk_kernel<T, N, P><<<dim3(p.batch, p.heads), K::threads, K::bytes, stream>>>(p);
+}
+
+// The bulk kernel's shapes: a (slot, head) block of at most 48 KB, rows contiguous and 16-byte aligned.
+template <typename T>
+bool launch_bulk(const tk::ssd_update_problem& p, cudaStream_t stream) {
+  if (!per_head(p) || !rows_aligned<T>(p) || p.state_strides[2] != p.dstate) return false;
+  if (p.headdim == 64 && p.dstate == 64) launch_update_bulk<T, 64, 64>(p, stream);
+  else if (p.headdim == 64 && p.dstate == 128) launch_update_bulk<T, 128, 64>(p, stream);
+  else if (p.headdim == 64 && p.dstate == 256) launch_update_bulk<T, 256, 64>(p, stream);
+  else if (p.headdim == 128 && p.dstate == 64) launch_update_bulk<T, 64, 128>(p, stream);
+  else if (p.headdim == 128 && p.dstate == 128) launch_update_bulk<T, 128, 128>(p, stream);
+  else return false;
+  return true;
+}
+
 template <typename T, typename S>
 void update_state(const tk::ssd_update_problem& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<S, T>) {
+    if (launch_bulk<T>(p, stream)) {
+      TK_LAUNCH_CHECK();
+      return;
+    }
+  }
   const bool vec = rows_aligned<S>(p);
   if (vec && p.dstate == 64) launch_update_vec<T, S, 64>(p, stream);
   else if (vec && p.dstate == 128) launch_update_vec<T, S, 128>(p, stream);

@@ -63,6 +63,21 @@ template <typename GL, typename Tile> __device__ __forceinline__ void prefetch_d
   asm volatile("prefetch.tensormap [%0];" ::"l"(detail::map_addr(g.template tma<typename Tile::ref_t>())) : "memory");
 }
 
+// One contiguous run of bytes, global -> shared, completing on `sem` (expect_bytes first). Both addresses 16-byte
+// aligned, bytes a multiple of 16: no descriptor, for data laid out as the shared copy wants it.
+__device__ __forceinline__ void load_bytes_async(void* dst, const void* src, uint32_t bytes, semaphore& sem) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(bytes), "r"(sem.addr())
+               : "memory");
+}
+// ... and shared -> global, completing in a bulk group (fence_async_shared() and a barrier before, as store_async).
+__device__ __forceinline__ void store_bytes_async(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void store_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until at most N committed store groups still read their shared source.
 template <int N = 0> __device__ __forceinline__ void store_wait_read() {
