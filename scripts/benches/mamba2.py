@@ -32,9 +32,11 @@ PAPER = [(16, n, 16, 64, 64, 1, 64) for n in (1024, 4096, 16384)]  # batch, seql
 SERVING = [(80, 64, 128, 1, 256, 8), (80, 64, 128, 8, 256, 8), (80, 64, 128, 1, 256, 1)]
 SERVING_TOKENS = 8192
 # Decode state updates (kernel mamba2_update), as the served models call them: Mamba2-2.7B's layer (80 heads,
-# 1 group) at batch 1-256, NemotronH-8B's (128 heads, 8 groups), Falcon-H1-1.5B's (48 heads, dstate 256).
+# 1 group) at batch 1-256, NemotronH-8B's (128 heads, 8 groups), Falcon-H1-1.5B's (48 heads, dstate 256) at batch
+# 1-128 (where tk_backend.vllm.mamba.tk_update_faster draws its line).
 UPDATE = [(1, 80, 64, 128, 1), (32, 80, 64, 128, 1), (128, 80, 64, 128, 1), (256, 80, 64, 128, 1),
-          (128, 128, 64, 128, 8), (128, 48, 64, 256, 1)]  # batch, heads, headdim, dstate, groups
+          (128, 128, 64, 128, 8), (1, 48, 64, 256, 1), (32, 48, 64, 256, 1),
+          (128, 48, 64, 256, 1)]  # batch, heads, headdim, dstate, groups
 
 
 SKIPPED: list[str] = []

@@ -5,9 +5,9 @@ Turning it on (opt-in, decided once per MambaMixer2 layer when the model is buil
 * `TK_MAMBA=1` turns it on whatever the attention backend; `TK_MAMBA=0` turns it off.
 * With TK_MAMBA unset it follows the attention backend: on when `--attention-backend TK` (or CUSTOM resolving
   to the TK backend) is selected, off otherwise. A pure Mamba-2 model has no attention layers, but the choice
-  is still read from the engine's config. Then only the prefill scan runs on TK: the decode state update stays
-  on vLLM's Triton kernel, which is faster at serving batches (docs/findings/ssd.md#ssd-update-vec); TK_MAMBA=1
-  puts both on TK.
+  is still read from the engine's config. Then the prefill scan runs on TK, and the decode state update only at
+  the shapes where TK's kernel was measured faster (`tk_update_faster`: dstate 256); the rest stays on vLLM's
+  Triton kernel, faster at dstate 128 (docs/findings/ssd.md#ssd-update-bulk). TK_MAMBA=1 puts every update on TK.
 
 How it is wired (both steps done by `install`, which `register` runs as soon as vLLM's mixer module is
 imported; importing that module costs seconds, so the plugin does not import it itself):
@@ -163,15 +163,30 @@ def _decide_for_layer(layer) -> bool:
                   ENV_VAR, os.environ[ENV_VAR])
     else:
         _log_once("on", logging.INFO, "tk_backend: MambaMixer2 SSD scan runs on TK's kernels (attention backend TK); "
-                  "the decode state update stays on vLLM's Triton kernel, faster at serving batches (%s=1 puts it "
-                  "on TK's too)", ENV_VAR)
+                  "the decode state update runs on TK's kernel only where it is faster (dstate 256), otherwise on "
+                  "vLLM's Triton kernel (%s=1 puts every update on TK)", ENV_VAR)
     return True
 
 
 def update_wanted(env_value: str | None) -> bool:
-    """Whether a TK layer's decode state update runs on TK: only when TK_MAMBA=1 asks (TK's update kernel is slower
-    than vLLM's Triton one at serving batches; docs/findings/ssd.md#ssd-update-vec)."""
+    """Whether every decode state update of a TK layer runs on TK: only when TK_MAMBA=1 asks. Otherwise a TK layer
+    takes only the updates tk_update_faster names and leaves the rest to vLLM's Triton kernel, faster at dstate 128
+    (docs/findings/ssd.md#ssd-update-bulk)."""
     return wanted(env_value, False)
+
+
+# Where TK's update (the bulk kernel) was measured faster than vLLM's Triton one: dstate 256, head dim 64, the state
+# in x's 16-bit dtype, batch 128: 2.3x (Falcon-H1's layer). Batch 1-32 at dstate 256 is not measured yet; at dstate 128
+# TK's is 0.50x at batch 1 and 0.86-0.97x at 32-256.
+FASTER_UPDATE_MIN_BATCH = 128
+
+
+def tk_update_faster(state, x) -> bool:
+    """Whether a TK layer's decode state update (state [slots, heads, headdim, dstate], x [batch, heads, headdim])
+    is one where TK's kernel beats vLLM's (the measured shapes above); shapes only, so a graph replays the choice."""
+    return (state.dim() == 4 and x.dim() == 3 and state.shape[-1] >= 256 and state.shape[-2] == 64
+            and state.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[0] >= FASTER_UPDATE_MIN_BATCH)
 
 
 # ------------------------------------------------------------------------------------ vLLM differences
@@ -305,7 +320,7 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
     if null_block_id is None:
         null_block_id = api.null_block_id
     layer = _active_layer.get()
-    if layer is None or not _active_update.get():
+    if layer is None or not (_active_update.get() or tk_update_faster(state, x)):
         STATS["vllm_update"] += 1
     else:
         slots, reason = decode_slots(state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens)
