@@ -36,7 +36,8 @@ SERVING_TOKENS = 8192
 # 1-128 (where tk_backend.vllm.mamba.tk_update_faster draws its line).
 UPDATE = [(1, 80, 64, 128, 1), (32, 80, 64, 128, 1), (128, 80, 64, 128, 1), (256, 80, 64, 128, 1),
           (128, 128, 64, 128, 8), (1, 48, 64, 256, 1), (32, 48, 64, 256, 1),
-          (128, 48, 64, 256, 1)]  # batch, heads, headdim, dstate, groups
+          (128, 48, 64, 256, 1), (128, 128, 64, 128, 8, torch.float32)]  # batch, heads, headdim, dstate, groups
+# [, the state's dtype: bf16 unless given; NemotronH keeps its SSM states in float32 (case name + _f32state)]
 
 
 SKIPPED: list[str] = []
@@ -140,22 +141,24 @@ def _vllm_update():
 def _update_rows(vllm_update, quick: bool) -> list[Row]:
     """One decode step's state update, called as vLLM 0.26's MambaMixer2 calls it: dt, A, D and dt_bias as
     expanded per-head views, the batch's state rows picked from a pool by state_batch_indices (slot 0, vLLM's
-    null block, unused), the state in the activations' dtype, y into a preallocated out. Bytes: the state rows
-    read and written (what bounds the step)."""
+    null block, unused), the state in the activations' dtype (or the case's), y into a preallocated out. Bytes:
+    the state rows read and written (what bounds the step)."""
     rows = []
-    for batch, heads, headdim, dstate, groups in UPDATE[2:3] if quick else UPDATE:
+    for batch, heads, headdim, dstate, groups, *state_dtype in UPDATE[2:3] if quick else UPDATE:
+        state_dtype = state_dtype[0] if state_dtype else torch.bfloat16
         case = f"b{batch}_h{heads}_p{headdim}_s{dstate}_g{groups}"
+        case += "_f32state" if state_dtype == torch.float32 else ""
         if not _wanted("mamba2_update", case):
             continue
         slots = batch + 1
-        per_set = 2 * batch * heads * headdim * dstate * 2
+        per_set = 2 * batch * heads * headdim * dstate * state_dtype.itemsize
         sets = copies_to_defeat_l2(per_set, cap=4)
         g = torch.Generator(device="cuda").manual_seed(batch)
         dev, bf = "cuda", torch.bfloat16
         A = (-torch.rand(heads, device=dev, generator=g))[:, None, None].expand(-1, headdim, dstate).float()
         D = torch.randn(heads, device=dev, generator=g)[:, None].expand(-1, headdim)
         dt_bias = torch.randn(heads, device=dev, generator=g)[:, None].expand(-1, headdim)
-        inp = [dict(state=torch.randn(slots, heads, headdim, dstate, device=dev, dtype=bf, generator=g) * 0.1,
+        inp = [dict(state=torch.randn(slots, heads, headdim, dstate, device=dev, dtype=state_dtype, generator=g) * 0.1,
                     x=torch.randn(batch, heads, headdim, device=dev, dtype=bf, generator=g),
                     dt=torch.randn(batch, heads, device=dev, dtype=bf, generator=g)[:, :, None].expand(-1, -1, headdim),
                     B=torch.randn(batch, groups, dstate, device=dev, dtype=bf, generator=g),
