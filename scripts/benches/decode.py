@@ -40,6 +40,10 @@ SERVE_TABLE = 2048
 # And whole decode steps of the serve bench's 4-layer model (case names end in _4layers): each impl's layers
 # in one timed call (tk: one schedule a step; vLLM's FA3: one scheduler metadata a step).
 SERVE_LAYERS = 4
+# A whole decode step of Llama-3.1-8B (32 layers) under its 128k-token table (case names end in _32layers): one plan
+# (tk: one schedule) or one scheduler metadata (vLLM's FA3) a step, then every layer, as vLLM runs a captured step,
+# so a schedule's cost counts once a step, as it does in serving, not once a layer.
+WIDE_LAYERS = 32
 # Models TK used to refuse (case names end in _d96, _sink, _win128): Phi-3-mini (32 heads of 96, no GQA) and gpt-oss
 # (64 query / 8 kv heads of 64, attention sinks, alternating 128-token windows and full layers). Entries:
 # (batch, context, hq, hkv, page, head dim, sinks, window).
@@ -116,7 +120,8 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, 
         scales = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     else:
         scales = {}
-    hkv, page = k_cache.shape[2], k_cache.shape[1]
+    k_layers, v_layers = _per_layer(k_cache), _per_layer(v_cache)
+    hkv, page = k_layers[0].shape[2], k_layers[0].shape[1]
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device)
     max_k = int(seqlens.max())
     q3, out3 = q.view(b, hq, d), out.view(b, hq, d)
@@ -125,12 +130,26 @@ def _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, out, layers=1, 
         metadata = schedule(batch_size=b, max_seqlen_q=1, max_seqlen_k=max_k, num_heads_q=hq, num_heads_kv=hkv,
                             headdim=d, cache_seqlens=seqlens, qkv_dtype=q.dtype, cu_seqlens_q=cu_q, page_size=page,
                             causal=True, window_size=window_size, num_splits=VLLM_FA3_SPLITS)
-        for _ in range(layers):
-            varlen(q3, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=max_k, seqused_k=seqlens,
+        for layer in range(layers):
+            varlen(q3, k_layers[layer % len(k_layers)], v_layers[layer % len(v_layers)], max_seqlen_q=1,
+                   cu_seqlens_q=cu_q, max_seqlen_k=max_k, seqused_k=seqlens,
                    softmax_scale=d ** -0.5, causal=True, window_size=list(window_size), block_table=table, out=out3,
                    scheduler_metadata=metadata, num_splits=VLLM_FA3_SPLITS, fa_version=3,
                    s_aux=None if sinks is None else sinks.to(torch.bfloat16), **scales)  # its sinks: bf16
     return call
+
+
+def _per_layer(cache) -> list:
+    """A case's caches as a list, one a layer or one for all (_layer_caches)."""
+    return cache if isinstance(cache, list) else [cache]
+
+
+def _layer_caches(cache: torch.Tensor, layers: int) -> torch.Tensor | list[torch.Tensor]:
+    """A multi-layer case's caches: one a layer where a layer's would sit in L2 (50 MB on an H200) across the step
+    (a real step reads every layer's from HBM), else the one cache for all layers."""
+    if layers == 1 or cache.numel() * cache.element_size() * 2 > 128 * 2**20:
+        return cache
+    return [cache] + [torch.randn(cache.shape, device=cache.device).to(cache.dtype) for _ in range(layers - 1)]
 
 
 def fp8_query_taken() -> bool:
@@ -138,25 +157,30 @@ def fp8_query_taken() -> bool:
     return getattr(attention, "DECODE_TAKES_E4M3_QUERY", False)
 
 
-def _tk_step(q, k_cache, v_cache, seqlens, table, out, layers):
+def _tk_step(q, k_cache, v_cache, seqlens, table, out, layers, **descales):
     """A decode step of `layers` layers through tk: one plan a step (a fresh one each time the step is captured
     or run eagerly), so the first layer builds the work list and the rest reuse it, as vLLM's backend runs it.
-    A tree without attention.PagedDecode passes its op's schedule_token, if it has one."""
+    descales: an FP8 cache's q / k / v_descale. A tree without attention.PagedDecode passes its op's
+    schedule_token, if it has one."""
+    k_layers, v_layers = _per_layer(k_cache), _per_layer(v_cache)
     if not hasattr(attention, "PagedDecode"):
         reuse = "schedule_token" in inspect.signature(tk_backend.flash_attn_with_kvcache).parameters
 
         def call(i):
             extra = {"schedule_token": object()} if reuse else {}
-            for _ in range(layers):
-                tk_backend.flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, table, out=out, **extra)
+            for layer in range(layers):
+                tk_backend.flash_attn_with_kvcache(q, k_layers[layer % len(k_layers)], v_layers[layer % len(v_layers)],
+                                                   seqlens, table, out=out, **extra, **descales)
         return call
     b, q_len, hq, d = q.shape
+    first = k_layers[0]
+    kv_dtype = {"kv_cache_dtype": first.dtype} if descales else {}
 
     def step(i):
-        decode = attention.PagedDecode().plan(seqlens, table, num_q_heads=hq, num_kv_heads=k_cache.shape[2],
-                                              head_dim=d, page_size=k_cache.shape[1], q_len=q_len)
-        for _ in range(layers):
-            decode.run(q, k_cache, v_cache, out)
+        decode = attention.PagedDecode().plan(seqlens, table, num_q_heads=hq, num_kv_heads=first.shape[2],
+                                              head_dim=d, page_size=first.shape[1], q_len=q_len, **kv_dtype)
+        for layer in range(layers):
+            decode.run(q, k_layers[layer % len(k_layers)], v_layers[layer % len(v_layers)], out, **descales)
     return step
 
 
@@ -210,22 +234,27 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
         if fp8_query_taken():
             tk_q = (q.float() / descales[0][0, 0]).to(torch.float8_e4m3fn)
             extra["q_descale"] = descales[0]
+    k_layers, v_layers = _layer_caches(k_cache, layers), _layer_caches(v_cache, layers)
     if layers == 1:
         impls = {"tk": lambda i: tk_backend.flash_attn_with_kvcache(tk_q, k_cache, v_cache, seqlens, table, out=out,
                                                                     **extra)}
     else:
-        impls = {"tk": _tk_step(q, k_cache, v_cache, seqlens, table, out, layers)}
+        if sinks or window >= 0:
+            raise ValueError("multi-layer cases take no sinks or window (the step's plan would need them)")
+        impls = {"tk": _tk_step(tk_q, k_layers, v_layers, seqlens, table, out, layers,
+                                **{k: v for k, v in extra.items() if k.endswith("_descale")})}
     fa3, vllm_fa = _fa3(), _vllm_fa3()
     if fa3 is not None and not sinks and not fp8:  # (the tokenspeed wheel: no sinks; fp8 not tried)
         fa3_window = {"window_size": (window, 0)} if window >= 0 else {}
+        fa3_k, fa3_v = _per_layer(k_layers), _per_layer(v_layers)
 
         def fa3_step(i):
-            for _ in range(layers):
-                fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, page_table=table, causal=True,
-                                            **fa3_window)
+            for layer in range(layers):
+                fa3.flash_attn_with_kvcache(q, fa3_k[layer % len(fa3_k)], fa3_v[layer % len(fa3_v)],
+                                            cache_seqlens=seqlens, page_table=table, causal=True, **fa3_window)
         impls["fa3"] = fa3_step
     if vllm_fa is not None:  # the FA3 build vLLM's FLASH_ATTN backend calls (where vLLM is importable)
-        impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_cache, v_cache, seqlens, table, torch.empty_like(q), layers,
+        impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_layers, v_layers, seqlens, table, torch.empty_like(q), layers,
                                            sink_logits, window, descales)
     if fa3 is None and vllm_fa is None and not serve and not sinks and not fp8 and window < 0 and b * ctx <= 1 << 20:
         def gathered(i):
@@ -273,4 +302,8 @@ def run(quick: bool = False) -> list[Row]:
     for case in [] if serve_only or quick else FP8_CASES:
         rows += _case(*case, fp8=True)
         torch.cuda.empty_cache()
+    for b in [] if serve_only or quick else (1, 8, 64):
+        for fp8 in (False, True):
+            rows += _case(b, 1024, 32, 8, 16, WIDE_TABLE, layers=WIDE_LAYERS, fp8=fp8)
+            torch.cuda.empty_cache()
     return rows

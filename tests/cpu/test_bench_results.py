@@ -479,3 +479,21 @@ def test_mamba2_timing_skips_a_failing_peer_but_not_tk(monkeypatch):
     assert isinstance(skipped, str) and "vllm_triton" in skipped and "differs" in skipped
     with pytest.raises(ValueError):
         mamba2._timed("mamba2_update", "c", "tk", None, 1, 10**6, differs)
+
+
+def test_decode_multi_layer_steps_read_a_cache_a_layer_where_one_would_stay_in_l2():
+    import torch
+
+    from benches import decode
+
+    small = torch.zeros(512, 16, 8, 128, dtype=torch.bfloat16)  # 16.8 MB: b8 x 1k tokens
+    layers = decode._layer_caches(small, 4)
+    assert isinstance(layers, list) and len(layers) == 4 and layers[0] is small
+    assert all(c.shape == small.shape and c.dtype == small.dtype for c in layers)
+    assert layers[1].data_ptr() != layers[2].data_ptr()
+    assert decode._layer_caches(small, 1) is small
+    big = torch.zeros(4096, 16, 8, 128, dtype=torch.bfloat16)  # 134 MB (a K and a V: past the 128 MiB bound)
+    assert decode._layer_caches(big, 32) is big
+    assert decode._per_layer(big) == [big] and decode._per_layer(layers) is layers
+    fp8 = decode._layer_caches(small.to(torch.float8_e4m3fn), 2)
+    assert [c.dtype for c in fp8] == [torch.float8_e4m3fn] * 2
