@@ -221,6 +221,18 @@ def test_layer_shapes_tk_does_not_serve():
     assert "multiple" in tkm.layer_unsupported_reason(**{**ok, "heads_per_rank": 12})
 
 
+def test_state_256_layers_take_only_tks_update():
+    if 256 in tkm.STATE_DIMS:
+        pytest.skip("TK's scan takes state 256: such layers are whole TK layers")
+    falcon = dict(head_dim=64, state_size=256, dtype=torch.bfloat16, heads_per_rank=48, groups_per_rank=1)
+    assert "ssm_state_size 256" in tkm.layer_unsupported_reason(**falcon)  # the scan stays on vLLM's
+    assert tkm.update_only_layer(**falcon)
+    assert not tkm.update_only_layer(**{**falcon, "head_dim": 128})  # no bulk kernel at 64 KB a block
+    assert not tkm.update_only_layer(**{**falcon, "dtype": torch.float32})
+    assert not tkm.update_only_layer(**{**falcon, "heads_per_rank": 12, "groups_per_rank": 8})
+    assert not tkm.update_only_layer(**{**falcon, "state_size": 128})  # a full TK layer, not update-only
+
+
 # ----------------------------------------------------------------------------------- the mapping
 
 

@@ -131,6 +131,19 @@ def layer_unsupported_reason(head_dim: int, state_size: int, dtype: torch.dtype 
     return None
 
 
+# State sizes TK's scan does not take but its decode update does, faster than vLLM's at the measured shapes
+# (tk_update_faster): such a layer is a TK layer whose prefill scans fall back to vLLM's Triton kernels.
+UPDATE_ONLY_STATE_DIMS = (256,)
+
+
+def update_only_layer(head_dim: int, state_size: int, dtype: torch.dtype | None, heads_per_rank: int,
+                      groups_per_rank: int) -> bool:
+    """Whether a MambaMixer2 that layer_unsupported_reason refuses for its state size alone still takes TK's
+    decode update (Falcon-H1's 48 heads of 64 with state 256)."""
+    return (state_size in UPDATE_ONLY_STATE_DIMS and head_dim == 64
+            and layer_unsupported_reason(head_dim, STATE_DIMS[0], dtype, heads_per_rank, groups_per_rank) is None)
+
+
 def device_unsupported_reason() -> str | None:
     from tk_backend._library import extension_available
 
@@ -150,14 +163,19 @@ def _decide_for_layer(layer) -> bool:
     if not wanted(os.environ.get(ENV_VAR), attention_backend_is_tk(config)):
         return False
     model_config = getattr(layer, "model_config", None) or getattr(config, "model_config", None)
-    reason = layer_unsupported_reason(
-        layer.head_dim, layer.ssm_state_size, getattr(model_config, "dtype", None),
-        layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size,
-    ) or device_unsupported_reason()
-    if reason is not None:
+    shape = (layer.head_dim, layer.ssm_state_size, getattr(model_config, "dtype", None),
+             layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size)
+    device_reason = device_unsupported_reason()
+    reason = device_reason or layer_unsupported_reason(*shape)
+    if reason is not None and (device_reason is not None or not update_only_layer(*shape)):
         _log_once(f"layer:{reason}", logging.WARNING,
                   "tk_backend: MambaMixer2 layers with %s stay on vLLM's Triton SSD kernels", reason)
         return False
+    if reason is not None:
+        _log_once(f"layer:{reason}", logging.WARNING,
+                  "tk_backend: MambaMixer2 layers with %s run their prefill scan on vLLM's Triton kernels and their "
+                  "decode state update on TK's where it is faster", reason)
+        return True
     if update_wanted(os.environ.get(ENV_VAR)):
         _log_once("on", logging.INFO, "tk_backend: MambaMixer2 SSD scan and state update run on TK's kernels (%s=%s)",
                   ENV_VAR, os.environ[ENV_VAR])
