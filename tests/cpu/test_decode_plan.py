@@ -586,3 +586,29 @@ def test_run_checks_its_layer_against_the_plan(monkeypatch):
     assert layers.reused == []  # every error before the launch
     decode.run(_meta(4, 1, 8, 128), cache, cache, block_table=_meta(4, 64, dtype=torch.int32))  # another group's
     assert layers.reused == [False]
+
+
+def test_tuning_one_cache_kind_keeps_the_others_buckets():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("tune", Path(__file__).resolve().parents[2] / "scripts" / "tune.py")
+    sys.path.insert(0, str(Path(spec.origin).parent))
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    old = [{"batch": [1, 1], "chunk_tokens": 256},  # 16-bit (no key)
+           {"batch": [2, 16], "chunk_tokens": 512, "kv_dtype": ["16bit", "fp8_e4m3"]},
+           {"batch": [17, 96], "chunk_tokens": 1024, "kv_dtype": ["fp8_e4m3"]}]
+    tuned = [{"batch": [1, 1], "chunk_tokens": 512, "kv_dtype": ["fp8_e4m3"]}]
+    merged = tune.merged_buckets(old, tuned, "fp8_e4m3")
+    assert merged == [tuned[0], old[0], {"batch": [2, 16], "chunk_tokens": 512, "kv_dtype": ["16bit"]}]
+    retuned = tune.merged_buckets(merged, [{"batch": [1, 4096], "chunk_tokens": 2048}], "16bit")
+    assert retuned == [{"batch": [1, 4096], "chunk_tokens": 2048}, tuned[0]]
+    # the merged buckets load, and each kind finds its own
+    buckets = [decode_plan.DecodeBucket(batch=tuple(b["batch"]), max_context=(0, 2**62), q_len=(0, 2**62),
+                                        group=(0, 2**62), head_dim=None, chunk_tokens=b["chunk_tokens"],
+                                        kv_dtype=tuple(b.get("kv_dtype", ["16bit"]))) for b in merged]
+    assert decode_plan.lookup_chunk_tokens(tuple(buckets), 1, 1024, 1, 4, 128, "fp8_e4m3") == 512
+    assert decode_plan.lookup_chunk_tokens(tuple(buckets), 1, 1024, 1, 4, 128) == 256
+    assert decode_plan.lookup_chunk_tokens(tuple(buckets), 8, 1024, 1, 4, 128, "fp8_e4m3") is None
