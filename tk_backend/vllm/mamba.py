@@ -202,7 +202,7 @@ FASTER_UPDATE_MIN_BATCH = 128
 def tk_update_faster(state, x) -> bool:
     """Whether a TK layer's decode state update (state [slots, heads, headdim, dstate], x [batch, heads, headdim])
     is one where TK's kernel beats vLLM's (the measured shapes above); shapes only, so a graph replays the choice."""
-    return (state.dim() == 4 and x.dim() == 3 and state.shape[-1] >= 256 and state.shape[-2] == 64
+    return (state.dim() == 4 and x.dim() == 3 and state.shape[-1] == 256 and state.shape[-2] == 64
             and state.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and x.shape[0] >= FASTER_UPDATE_MIN_BATCH)
 
@@ -338,7 +338,8 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
     if null_block_id is None:
         null_block_id = api.null_block_id
     layer = _active_layer.get()
-    if layer is None or not (_active_update.get() or tk_update_faster(state, x)):
+    plain = num_accepted_tokens is None and cu_seqlens is None and dst_state_batch_indices is None  # one token a row
+    if layer is None or not (_active_update.get() or (plain and tk_update_faster(state, x))):
         STATS["vllm_update"] += 1
     else:
         slots, reason = decode_slots(state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens)
