@@ -221,6 +221,28 @@ def test_layer_shapes_tk_does_not_serve():
     assert "multiple" in tkm.layer_unsupported_reason(**{**ok, "heads_per_rank": 12})
 
 
+@pytest.mark.parametrize("state_size, head_dim, device_reason, expected", [
+    (128, 64, None, True),               # a whole TK layer
+    (256, 64, None, True),               # Falcon-H1's: a TK layer for the update alone
+    (256, 128, None, False),             # no bulk update kernel there: all on vLLM's
+    (16, 64, None, False),
+    (128, 64, "no CUDA device", False),  # the device decides first
+    (256, 64, "no CUDA device", False),
+])
+def test_which_mixer_layers_go_on_tk(monkeypatch, log_lines, state_size, head_dim, device_reason, expected):
+    import vllm.config
+
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: None)
+    monkeypatch.setattr(tkm, "attention_backend_is_tk", lambda config: True)
+    monkeypatch.setattr(tkm, "device_unsupported_reason", lambda: device_reason)
+    monkeypatch.delenv(tkm.ENV_VAR, raising=False)
+    layer = SimpleNamespace(head_dim=head_dim, ssm_state_size=state_size, num_heads=48, n_groups=1, tp_size=1,
+                            model_config=SimpleNamespace(dtype=torch.bfloat16))
+    assert tkm._decide_for_layer(layer) is expected
+    if state_size == 256 and expected:
+        assert any("prefill scan on vLLM's Triton kernels" in line for line in log_lines)
+
+
 def test_state_256_layers_take_only_tks_update():
     if 256 in tkm.STATE_DIMS:
         pytest.skip("TK's scan takes state 256: such layers are whole TK layers")
