@@ -256,7 +256,8 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
     if vllm_fa is not None:  # the FA3 build vLLM's FLASH_ATTN backend calls (where vLLM is importable)
         impls["vllm_fa3"] = _vllm_fa3_call(vllm_fa, q, k_layers, v_layers, seqlens, table, torch.empty_like(q), layers,
                                            sink_logits, window, descales)
-    if fa3 is None and vllm_fa is None and not serve and not sinks and not fp8 and window < 0 and b * ctx <= 1 << 20:
+    if (fa3 is None and vllm_fa is None and not serve and not sinks and not fp8 and window < 0 and layers == 1
+            and b * ctx <= 1 << 20):
         def gathered(i):
             k = k_cache[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
             v = v_cache[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
