@@ -51,6 +51,9 @@ MODEL_CASES = [(b, c, 32, 32, 16, 96, False, -1) for b in (8, 64) for c in (1024
 MODEL_CASES += [(b, c, 64, 8, 16, 64, True, w) for b in (8, 64) for c in (1024, 8192) for w in (-1, 127)]
 # Head dim 64 without sinks (Llama-3.2-1B: 32 / 8 heads of 64), beside gpt-oss's: is the D=64 kernel or the sinks slow?
 MODEL_CASES += [(b, c, 32, 8, 16, 64, False, -1) for b in (8, 64) for c in (8192, 32768)]
+# Head dim 256 (Gemma-2-9B: 16 / 8 heads of 256; its softcap and windows left out), whose plans are analytic.
+MODEL_CASES += [(b, c, 16, 8, 16, 256, False, -1) for b, c in ((1, 8192), (1, 32768), (8, 1024), (8, 8192),
+                                                               (8, 32768), (64, 1024), (64, 8192))]
 # FP8 (e4m3) caches (case names end in _fp8): the main grid at 32 / 8 heads, and the 128k-token-table cases; tbps
 # counts 1 byte a K / V element. vllm_fa3 reads them as vLLM's FLASH_ATTN does (its query quantized per tensor).
 FP8_CASES = [(b, c, 32, 8, 16) for b in (1, 8, 64, 256) for c in (1024, 8192, 32768)] + [(1, 131072, 32, 8, 16)]
