@@ -548,10 +548,9 @@ __global__ void __launch_bounds__(128, 8) ssd_update_bulk_kernel(const tk::ssd_u
     float acc = 0.f;
 #pragma unroll
     for (int v = 0; v < K::NV; v++) {
-      T* const at = block + row * N + n0 + v * K::VEC;
-      uint32_t w[4];
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(at))));
+      const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(block + row * N + n0 + v * K::VEC));
+      uint4 raw = detail::ld_shared_16B<T>(at);
+      uint32_t* const w = reinterpret_cast<uint32_t*>(&raw);
       float part[K::VEC];
       state_vec<T>::unpack(w, part);
 #pragma unroll
@@ -560,8 +559,7 @@ __global__ void __launch_bounds__(128, 8) ssd_update_bulk_kernel(const tk::ssd_u
         acc += part[e] * cn[v * K::VEC + e];
       }
       state_vec<T>::pack(part, w);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(at))),
-                   "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+      detail::st_shared_16B(at, raw);
     }
 #pragma unroll
     for (int m = K::TPR / 2; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
