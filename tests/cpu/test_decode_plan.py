@@ -253,12 +253,13 @@ def test_table_chunks_round_up_to_the_page(tmp_path, monkeypatch):
 
 
 def test_fp8_caches_plan_for_one_byte_tokens(tmp_path, monkeypatch):
-    """An FP8 cache's token streams half the bytes: its item overhead is twice the tokens; the tuned tables' buckets
-    (no kv_dtype key: 16-bit caches) do not apply to it, a bucket with kv_dtype ["fp8_e4m3"] does."""
+    """An FP8 cache's token streams half the bytes: its item overhead is twice the tokens; a bucket without the
+    kv_dtype key (16-bit caches) does not apply to it, a bucket with kv_dtype ["fp8_e4m3"] does (the H200 table's
+    buckets list both: an FP8 cache takes the 16-bit chunks)."""
     args = (32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200")
     plain, fp8 = decode_plan.make_plan(*args), decode_plan.make_plan(*args, "fp8_e4m3")
     assert plain.kv_dtype == "16bit" and plain.source == "table" and fp8.kv_dtype == "fp8_e4m3"
-    assert fp8.source == "analytic"
+    assert fp8.source == "table" and fp8.chunk_tokens == plain.chunk_tokens
     assert abs(fp8.item_overhead_tokens - 2 * plain.item_overhead_tokens) <= 1
     assert decode_plan.kv_dtype_of(torch.uint8) == decode_plan.kv_dtype_of(torch.float8_e4m3fn) == "fp8_e4m3"
     assert decode_plan.kv_dtype_of(None) == decode_plan.kv_dtype_of(torch.bfloat16) == "16bit"
