@@ -235,9 +235,10 @@ def test_h200_table_is_used_and_falls_back_to_the_model():
     assert buckets, "tk_backend/configs/h200.json should describe the NVIDIA H200"
     hit = decode_plan.make_plan(32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200")
     assert hit.source == "table" and hit.chunk_tokens == decode_plan.lookup_chunk_tokens(buckets, 32, 32768, 1, 4, 128)
-    # head dims 64 and 96 take the D=128 buckets' chunks; others (256) the model
+    # head dims 64, 96 and 256 take the D=128 buckets' chunks; others (80) the model
     assert decode_plan.make_plan(32, 32768, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200").source == "table"
-    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 256, 16, 132, -1, 0, "NVIDIA H200").source == "analytic"
+    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 256, 16, 132, -1, 0, "NVIDIA H200").source == "table"
+    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 80, 16, 132, -1, 0, "NVIDIA H200").source == "analytic"
     assert decode_plan.make_plan(32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "Some Other GPU").source == "analytic"
     assert decode_plan.device_config("Some Other GPU") == ()
 
