@@ -235,7 +235,10 @@ def test_h200_table_is_used_and_falls_back_to_the_model():
     assert buckets, "tk_backend/configs/h200.json should describe the NVIDIA H200"
     hit = decode_plan.make_plan(32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200")
     assert hit.source == "table" and hit.chunk_tokens == decode_plan.lookup_chunk_tokens(buckets, 32, 32768, 1, 4, 128)
-    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200").source == "analytic"
+    # head dims 64, 96 and 256 take the D=128 buckets' chunks; others (80) the model
+    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200").source == "table"
+    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 256, 16, 132, -1, 0, "NVIDIA H200").source == "table"
+    assert decode_plan.make_plan(32, 32768, 1, 32, 8, 80, 16, 132, -1, 0, "NVIDIA H200").source == "analytic"
     assert decode_plan.make_plan(32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "Some Other GPU").source == "analytic"
     assert decode_plan.device_config("Some Other GPU") == ()
 
@@ -253,12 +256,13 @@ def test_table_chunks_round_up_to_the_page(tmp_path, monkeypatch):
 
 
 def test_fp8_caches_plan_for_one_byte_tokens(tmp_path, monkeypatch):
-    """An FP8 cache's token streams half the bytes: its item overhead is twice the tokens; the tuned tables' buckets
-    (no kv_dtype key: 16-bit caches) do not apply to it, a bucket with kv_dtype ["fp8_e4m3"] does."""
+    """An FP8 cache's token streams half the bytes: its item overhead is twice the tokens; a bucket without the
+    kv_dtype key (16-bit caches) does not apply to it, a bucket with kv_dtype ["fp8_e4m3"] does (the H200 table's
+    buckets list both: an FP8 cache takes the 16-bit chunks)."""
     args = (32, 32768, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200")
     plain, fp8 = decode_plan.make_plan(*args), decode_plan.make_plan(*args, "fp8_e4m3")
     assert plain.kv_dtype == "16bit" and plain.source == "table" and fp8.kv_dtype == "fp8_e4m3"
-    assert fp8.source == "analytic"
+    assert fp8.source == "table" and fp8.chunk_tokens == plain.chunk_tokens
     assert abs(fp8.item_overhead_tokens - 2 * plain.item_overhead_tokens) <= 1
     assert decode_plan.kv_dtype_of(torch.uint8) == decode_plan.kv_dtype_of(torch.float8_e4m3fn) == "fp8_e4m3"
     assert decode_plan.kv_dtype_of(None) == decode_plan.kv_dtype_of(torch.bfloat16) == "16bit"
