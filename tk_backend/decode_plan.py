@@ -82,6 +82,13 @@ MAX_WORKSPACE_BYTES = 256 << 20
 SM_BYTES_PER_US = 30_000
 ITEM_LATENCY_US = 1.0
 MERGE_LATENCY_US = 3.0
+# The chunk choice's own item latency and the cost of a schedule (a step of more items than CTAs: the schedule
+# kernel, or the split kernel's self-schedule, and the walk over its slots), fitted so that the model picks what
+# scripts/tune.py measured on the H200 (configs/h200.json: the same chunk in 16 of 24 buckets, within 2x in all;
+# with ITEM_LATENCY_US and no schedule cost: 4 of 24, 16 within 2x, every miss a finer chunk). ITEM_LATENCY_US stays
+# the device schedule's item cost (coarsening, CTA shares), which the fit does not move.
+MODEL_ITEM_LATENCY_US = 5.0
+SCHEDULE_LATENCY_US = 8.0
 
 # The caches' element kinds a plan (and a config bucket) is for, and the bytes an element takes: bf16 / fp16, or
 # float8_e4m3fn (FP8 KV caches: a token streams half the bytes).
@@ -177,10 +184,12 @@ def _token_bytes(head_dim: int, kv_dtype: str) -> int:
     return 2 * head_dim * KV_DTYPE_BYTES[kv_dtype]  # one key and one value
 
 
-def item_overhead_tokens(rows: int, head_dim: int, kv_dtype: str = "16bit") -> int:
-    """An item's fixed cost in key-token equivalents: pipeline latency plus its Q load and partial store/reload."""
+def item_overhead_tokens(rows: int, head_dim: int, kv_dtype: str = "16bit", latency_us: float | None = None) -> int:
+    """An item's fixed cost in key-token equivalents: pipeline latency (ITEM_LATENCY_US unless given) plus its Q
+    load and partial store/reload."""
     row_bytes = rows * head_dim * (2 + 4 + 4)  # Q in, float32 partial out, read back by the merge
-    return _ceil_div(int(ITEM_LATENCY_US * SM_BYTES_PER_US) + row_bytes, _token_bytes(head_dim, kv_dtype))
+    latency = ITEM_LATENCY_US if latency_us is None else latency_us
+    return _ceil_div(int(latency * SM_BYTES_PER_US) + row_bytes, _token_bytes(head_dim, kv_dtype))
 
 
 def _span_tokens(max_context: int, q_len: int, window_left: int) -> int:
@@ -211,11 +220,13 @@ def _makespan_us(
     segments: int, span: int, chunk: int, splits: int, overhead: int, num_ctas: int, head_dim: int,
     kv_dtype: str = "16bit",
 ) -> float:
-    """Balanced-partition bound: average CTA load plus one item, plus the merge latency if anything is split."""
+    """Balanced-partition bound: average CTA load plus one item, plus the merge latency if anything is split and a
+    schedule's if the items outnumber the CTAs (direct mode, a CTA an item, needs none)."""
     token_us = _token_bytes(head_dim, kv_dtype) / SM_BYTES_PER_US
     total = segments * (span + splits * overhead) * token_us
     biggest = (min(chunk, span) + overhead) * token_us
-    return total / num_ctas + biggest + (MERGE_LATENCY_US if splits > 1 else 0.0)
+    return (total / num_ctas + biggest + (MERGE_LATENCY_US if splits > 1 else 0.0)
+            + (SCHEDULE_LATENCY_US if segments * splits > num_ctas else 0.0))
 
 
 def analytic_chunk_tokens(
@@ -230,7 +241,7 @@ def analytic_chunk_tokens(
     """
     span = _span_tokens(max_context, q_len, window_left)
     rows = q_len * (num_q_heads // num_kv_heads)
-    overhead = item_overhead_tokens(rows, head_dim, kv_dtype)
+    overhead = item_overhead_tokens(rows, head_dim, kv_dtype, MODEL_ITEM_LATENCY_US)
     chunk = _ceil_div(MIN_CHUNK_TOKENS, page_size) * page_size
     best: tuple[float, int] | None = None
     while True:
