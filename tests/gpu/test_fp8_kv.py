@@ -143,12 +143,12 @@ def _planned_step(rng, contexts, width, num_splits):
     ([5000, 3, 7000, 120], 8192, 8, ("direct", 64)),         # few items: a CTA each
     (_MANY, 8192, 4, ("scheduled", 64)),                     # each CTA works out its range
     (_MANY + _MANY[:16], 8192, 1, ("scheduled", 128)),       # one item a sequence (a 16-bit q: 64-key tiles)
-    ([100_000, 17], 131072, 0, ("balanced", 64)),            # one long sequence in a wide table
-    ([20000, 3, 30000, 500, 32768, 17, 9000, 12000], 32768, 0, ("balanced", 128)),  # batch 8 (balanced_fp8_kv128)
+    ([100_000, 17, 1, 900], 131072, 0, ("balanced", 64)),    # one long sequence in a wide table
+    (_MANY, 131072, 0, ("balanced", 128)),                   # batch 64 (balanced_fp8_kv128)
 ])
 def test_fp8_decode_modes(contexts, width, num_splits, expect, seed):
     """Every schedule the split kernel runs (direct, self-scheduled, balanced) over fp8 (64- and 128-key tiles at
-    D=128)."""
+    D=128). The unforced cases take the H200 table's plans: a re-tuned table may move them (the assert says)."""
     rng = random.Random(seed)
     q, k, v, seqlens, table, decode = _planned_step(rng, contexts, width, num_splits)
     hkv = k.shape[2]
@@ -270,7 +270,8 @@ def test_fp8_query_decode_window_softcap_scales(d, window, softcap, seed):
     ([5000, 3, 7000, 120], 8192, 8),   # direct
     (_MANY, 8192, 4),                  # self-scheduled
     (_MANY + _MANY[:16], 8192, 1),     # self-scheduled, 128-key tiles
-    ([100_000, 17], 131072, 0),        # balanced
+    ([100_000, 17, 1, 900], 131072, 0),  # balanced
+    (_MANY, 131072, 0),                # balanced, 128-key tiles
 ])
 def test_fp8_query_decode_modes(contexts, width, num_splits, seed):
     """Every schedule over the e4m3 product, each run twice (the second reuses the schedule), through PagedDecode
