@@ -194,9 +194,9 @@ def update_wanted(env_value: str | None) -> bool:
 
 
 # Where TK's update (the bulk kernel) was measured faster than vLLM's Triton one: dstate 256, head dim 64, the state
-# in x's 16-bit dtype, batch 128: 2.3x (Falcon-H1's layer). Batch 1-32 at dstate 256 is not measured yet; at dstate 128
-# TK's is 0.50x at batch 1 and 0.86-0.97x at 32-256.
-FASTER_UPDATE_MIN_BATCH = 128
+# in x's 16-bit dtype (Falcon-H1's layer), 1.82x at batch 32 and 2.31x at 128, but 0.57x at batch 1 (between: not
+# measured); at dstate 128 TK's is 0.52x at batch 1 and 0.85-0.97x at 32-256 (docs/findings/ssd.md#ssd-update-bulk).
+FASTER_UPDATE_MIN_BATCH = 32
 
 
 def tk_update_faster(state, x) -> bool:
