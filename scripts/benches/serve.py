@@ -60,8 +60,9 @@ falls on every impl alike. The row is the median of an impl's rounds; every run 
 A model's engines are grouped by what an engine is fixed to: its offline engines over the bf16 cache, its fp8
 ones, its OpenAI servers; the groups run one after another. An engine that fails to start or dies is left out
 with a message (and listed again at the end); the others carry on. Impls: tk (--attention-backend TK),
-flash_attn (FLASH_ATTN, FA3 on sm90), triton_attn (TRITON_ATTN); TK_SERVE_IMPLS=tk,flash_attn runs those for every
-model instead of the model's own list, TK_SERVE_REPEATS=N N rounds for every model.
+flash_attn (FLASH_ATTN, FA3 on sm90), triton_attn (TRITON_ATTN), flash_attn_full (FLASH_ATTN with
+cudagraph_mode FULL: full graphs for mixed batches too; only where named); TK_SERVE_IMPLS=tk,flash_attn runs those for
+every model instead of the model's own list, TK_SERVE_REPEATS=N N rounds for every model.
 
 KV cache per engine: the 4-layer model's is 8 GiB. A full-size model's is its KV bytes a token (layers x K and V x
 kv heads x head size x 2 bytes, 1 in fp8) times the largest peak of the group's cases (every case of the group,
@@ -145,7 +146,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-IMPLS = {"tk": "TK", "flash_attn": "FLASH_ATTN", "triton_attn": "TRITON_ATTN"}
+# An impl's engine: the attention backend, and "+MODE" a cudagraph_mode of its own (vLLM's default is
+# FULL_AND_PIECEWISE: full graphs for uniform decode batches, piecewise ones around attention for the rest).
+# flash_attn_full is FLASH_ATTN with full graphs for mixed batches too, which TK's backend does not declare
+# (AttentionCGSupport.UNIFORM_BATCH): beside flash_attn it measures what that mode pays a FLASH_ATTN user.
+IMPLS = {"tk": "TK", "flash_attn": "FLASH_ATTN", "triton_attn": "TRITON_ATTN", "flash_attn_full": "FLASH_ATTN+FULL"}
+BACKEND_IMPLS = ("tk", "flash_attn", "triton_attn")  # one a backend, at vLLM's default graphs
 PRESET = "llama3-8b-4l"
 STARTUP_TIMEOUT_S = 900  # an engine's start and warm-up
 RUN_TIMEOUT_S = 600  # one timed run
@@ -185,7 +191,7 @@ class ServeModel:
 
 
 MODELS = {m.name: m for m in (
-    ServeModel(PRESET, PRESET, tiny=True, max_model_len=MAX_MODEL_LEN, impls=tuple(IMPLS), repeats=5,
+    ServeModel(PRESET, PRESET, tiny=True, max_model_len=MAX_MODEL_LEN, impls=BACKEND_IMPLS, repeats=5,
                kv_cache_bytes=KV_CACHE_BYTES),
     ServeModel("llama3.1-8b", "llama3.1-8b"),
     ServeModel("qwen2.5-7b", "qwen2.5-7b"),
@@ -193,7 +199,7 @@ MODELS = {m.name: m for m in (
     ServeModel("llama3.2-1b", "llama3.2-1b"),
     ServeModel("phi3-mini", "phi3-mini", positions=FULL_MAX_MODEL_LEN),
     # A run takes about a second: more rounds cost little. Encoder-only layers keep no KV cache.
-    ServeModel("bge-base", "bge-base", max_model_len=512, impls=tuple(IMPLS), repeats=5, pooling=True),
+    ServeModel("bge-base", "bge-base", max_model_len=512, impls=BACKEND_IMPLS, repeats=5, pooling=True),
     ServeModel("mamba2-2.7b", "mamba2-2.7b", max_model_len=MAMBA_MAX_MODEL_LEN, max_num_seqs=MAMBA_MAX_NUM_SEQS,
                mamba=True),
     ServeModel("nemotron-h-8b", "nemotron-h-8b", max_model_len=MAMBA_MAX_MODEL_LEN, positions=MAMBA_MAX_MODEL_LEN,
@@ -461,6 +467,7 @@ def engine_kwargs(name: str, model_dir: str | Path, backend: str, tp: int, kv_ca
     on, no prefix caching (but for the prefix cases' engines), a fixed KV cache; full-size models with dummy
     weights and token-id prompts."""
     m = MODELS[name]
+    backend, _, cudagraph_mode = backend.partition("+")
     kwargs = dict(model=str(model_dir), attention_backend=backend, tensor_parallel_size=tp, seed=0,
                   max_model_len=m.max_model_len, max_num_seqs=m.max_num_seqs, gpu_memory_utilization=0.15,
                   kv_cache_memory_bytes=kv_cache_bytes(Group(name, kv_cache_dtype, online, prefix_caching)),
@@ -472,6 +479,8 @@ def engine_kwargs(name: str, model_dir: str | Path, backend: str, tp: int, kv_ca
         kwargs.update(runner="pooling", max_num_batched_tokens=EMBED_BATCH_TOKENS, enable_chunked_prefill=False)
     if kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = kv_cache_dtype
+    if cudagraph_mode:
+        kwargs["compilation_config"] = {"cudagraph_mode": cudagraph_mode}
     return kwargs
 
 
@@ -483,6 +492,7 @@ def server_command(name: str, model_dir: str | Path, backend: str, tp: int, port
                "127.0.0.1", "--port", str(port), "--served-model-name", name]
     for key, value in kwargs.items():
         flag = key.replace("_", "-")
+        value = json.dumps(value) if isinstance(value, dict) else value
         command += [f"--{flag}"] if value is True else [f"--no-{flag}"] if value is False else [f"--{flag}", str(value)]
     return command
 

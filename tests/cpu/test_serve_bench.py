@@ -280,6 +280,17 @@ def test_the_4_layer_engines_keep_their_settings():
         enforce_eager=False)
 
 
+def test_flash_attn_full_is_flash_attn_with_full_graphs_for_mixed_batches():
+    plain = serve.engine_kwargs("llama3.1-8b", "/m", serve.IMPLS["flash_attn"], 1)
+    full = serve.engine_kwargs("llama3.1-8b", "/m", serve.IMPLS["flash_attn_full"], 1)
+    assert full == {**plain, "compilation_config": {"cudagraph_mode": "FULL"}}
+    assert full["attention_backend"] == "FLASH_ATTN" and "compilation_config" not in plain
+    command = serve.server_command("llama3.1-8b", "/m", serve.IMPLS["flash_attn_full"], 1, 8000)
+    at = command.index("--compilation-config")
+    assert json.loads(command[at + 1]) == {"cudagraph_mode": "FULL"}
+    assert "flash_attn_full" not in serve.selected_impls("llama3-8b-4l")  # only where TK_SERVE_IMPLS names it
+
+
 def test_full_size_engines_take_dummy_weights_token_ids_and_their_fixed_cache():
     common = dict(model="/m", tensor_parallel_size=1, seed=0, max_model_len=32768, max_num_seqs=256,
                   gpu_memory_utilization=0.15, enable_prefix_caching=False, enforce_eager=False, load_format="dummy",
