@@ -185,10 +185,13 @@ def config(preset: str, layers: int | None = None, **overrides):
 
 
 def build(out_dir: str | Path, preset: str, layers: int | None = None, tokenizer: bool = False,
-          **overrides) -> Path:
+          weights: bool = False, seed: int = 0, lm_head_scale: float = 1.0, **overrides) -> Path:
     """Write out_dir/config.json for the preset (config's arguments; rewritten only when it changes); returns
     out_dir. tokenizer: also a locally trained byte-level BPE tokenizer (build_tiny_model's, 4096 tokens), for
-    what vLLM will not run without one (its pooling runner)."""
+    what vLLM will not run without one (its pooling runner). weights: also random weights from `seed`
+    (transformers' initializer, bfloat16, model.safetensors under the release's tensor names; the LM head times
+    lm_head_scale), for tests that compare paths on one model: vLLM's dummy weights are +-1e-3, whose logits are
+    nearly flat, and differ between dtypes."""
     out_dir = Path(out_dir)
     cfg = config(preset, layers, **overrides)
     fields = json.loads(cfg.to_json_string(use_diff=False))
@@ -204,7 +207,35 @@ def build(out_dir: str | Path, preset: str, layers: int | None = None, tokenizer
         from build_tiny_model import build_tokenizer
 
         build_tokenizer(out_dir, 4096, 0, cfg.max_position_embeddings)
+    stamp = out_dir / "weights.json"  # what the weights were made from: rebuilt when the config or seed changes
+    made_from = {"config": json.loads(text), "seed": seed, "lm_head_scale": lm_head_scale}
+    if weights and not (stamp.exists() and json.loads(stamp.read_text()) == made_from):
+        save_random_weights(cfg, out_dir, seed, lm_head_scale)
+        stamp.write_text(json.dumps(made_from, sort_keys=True) + "\n")
     return out_dir
+
+
+def save_random_weights(cfg, out_dir: Path, seed: int, lm_head_scale: float = 1.0) -> None:
+    """out_dir/model.safetensors (and a greedy generation_config.json) of cfg's transformers model, initialized
+    from `seed` (the LM head scaled, so that logits are less tied); the config.json that save_pretrained writes is
+    not kept (out_dir's own is the release's form)."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(lm_head_scale)
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                                               pad_token_id=cfg.pad_token_id, do_sample=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name in ("model.safetensors", "generation_config.json"):
+            shutil.move(str(Path(tmp) / name), str(out_dir / name))
 
 
 def main() -> None:

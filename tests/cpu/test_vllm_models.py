@@ -123,3 +123,34 @@ def test_prompts_fit_the_context_and_share_a_prefix():
     assert len(prompts) == 32 and all(16 <= t < 30522 for p in prompts for t in p)
     assert max(map(len, prompts)) <= 486 and min(map(len, prompts)) >= 8
     assert prompts[0][:200] == prompts[4][:200]
+
+
+@pytest.mark.parametrize("preset", ["nemotron-h-tiny", "falcon-h1-tiny"])
+def test_the_mamba_e2e_hybrids_are_what_vllm_reads_with_weights_under_the_release_names(tmp_path, preset):
+    """tests/gpu/test_vllm_mamba_e2e.py's hybrid models: vLLM reads the cut-down config as the hybrid (its layer
+    pattern, state size, groups), and the random weights are stored under the release's tensor names (vLLM's
+    loaders map those: Nemotron-H's `backbone.`), seeded (the same file twice) and with a scaled LM head."""
+    from safetensors import safe_open
+
+    from tests.gpu import test_vllm_mamba_e2e as e2e
+
+    path = e2e._model(tmp_path, preset)
+    config = _model_config(path, "generate", 2048)
+    hf = config.hf_config
+    assert config.is_hybrid and config.get_head_size() == 128 and config.get_total_num_kv_heads() == 2
+    if preset == "nemotron-h-tiny":
+        assert hf.hybrid_override_pattern == "M-M-M-M*-M" and hf.ssm_state_size == 128 and hf.n_groups == 8
+        assert hf.mamba_num_heads * hf.mamba_head_dim == 2 * hf.hidden_size
+        prefix = "backbone."
+    else:
+        assert hf.num_hidden_layers == 4 and hf.mamba_d_state == 256 and hf.mamba_n_groups == 1
+        assert hf.mamba_n_heads * hf.mamba_d_head == hf.mamba_d_ssm
+        prefix = "model."
+    assert e2e._state_size(path) == (128 if preset == "nemotron-h-tiny" else 256)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        head = f.get_tensor("lm_head.weight").float()
+    assert all(n.startswith(prefix) or n == "lm_head.weight" for n in names), names[:5]
+    assert 0.05 < head.std().item() < 0.2  # transformers' 0.02 initializer x HYBRID_LM_HEAD_SCALE
+    stamp = (path / "weights.json").read_text()
+    assert e2e._model(tmp_path, preset) == path and (path / "weights.json").read_text() == stamp  # not rebuilt

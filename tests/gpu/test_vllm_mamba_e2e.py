@@ -1,7 +1,10 @@
 """End to end on an H200 with vLLM (0.26.0 on the GPU host): a Mamba-2 model served with TK's SSD ops
-(tk_backend.vllm.mamba) against vLLM's own Triton path.
+(tk_backend.vllm.mamba) against vLLM's own Triton path, and the two hybrids cut down (Nemotron-H's layer pattern
+with 8 groups of state 128, Falcon-H1's attention beside state-256 Mamba-2 in every layer; HYBRIDS), whose TK
+path runs TK's attention too.
 
-Each path serves the same random-weight Mamba2ForCausalLM (examples/build_tiny_mamba2.py) and the same 48
+Each path serves the same random-weight model (examples/build_tiny_mamba2.py; the hybrids:
+examples/build_model_configs.py with weights) and the same 48
 random prompts in its own process (python -m tests.gpu.test_vllm_mamba_e2e --worker ...), with CUDA graphs
 on (decode runs in captured full graphs), chunked prefill with a 512-token step budget (prompts up to 1500
 tokens, so long prompts continue from the cached SSM state over several steps, packed with other requests)
@@ -22,7 +25,7 @@ The engine runs in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), 
 tk_backend.vllm.mamba.STATS and the test checks which path actually ran: no fallback in the TK worker,
 none of TK's ops in the Triton worker. One preset turns TK on with TK_MAMBA=1 (TK's scan and update), the
 other with `attention_backend="TK"` (TK's scan; the decode update stays on vLLM's kernel). Needs vLLM importable (GPU host: source
-/tmp/vllm_site/env.sh). Both presets' six engines start together (harness.prelaunch).
+/tmp/vllm_site/env.sh). The presets' engines start together (harness.prelaunch, 8 at a time; `-k` picks presets).
 """
 from __future__ import annotations
 
@@ -135,11 +138,34 @@ def workdir(tmp_path_factory) -> Path:
     return harness.workdir(tmp_path_factory, "vllm_mamba_e2e")
 
 
+# The hybrids' shapes cut down (examples/build_model_configs.py's presets, their first layers, 1024 wide, a 4096-token
+# vocabulary): what they keep is what the SSD path sees, Nemotron-H's 8 groups of state 128 between attention and
+# MLP layers, Falcon-H1's state 256 beside attention in every layer. (preset, layers, overrides)
+HYBRIDS = {
+    "nemotron-h-tiny": ("nemotron-h-8b", 10, dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+                                                  num_key_value_heads=2, mamba_num_heads=32, vocab_size=4096)),
+    "falcon-h1-tiny": ("falcon-h1-1.5b", 4, dict(hidden_size=1024, intermediate_size=2048, mamba_d_ssm=2048,
+                                                 mamba_n_heads=32, vocab_size=4096)),
+}
+HYBRID_LM_HEAD_SCALE = 5.0  # transformers' 0.02 initializer gives logits of std ~0.6; x5: ~3, as the Mamba-2 presets
+
+
 def _model(workdir: Path, preset: str) -> Path:
     sys.path.insert(0, str(REPO / "examples"))
+    if preset in HYBRIDS:
+        from build_model_configs import build as build_hybrid
+
+        release, layers, overrides = HYBRIDS[preset]
+        return build_hybrid(workdir / preset, release, layers, tokenizer=True, weights=True,
+                            lm_head_scale=HYBRID_LM_HEAD_SCALE, **overrides)
     from build_tiny_mamba2 import build
 
     return build(workdir / preset, preset=preset)
+
+
+def _state_size(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    return config.get("ssm_state_size") or config.get("mamba_d_state") or config["state_size"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -154,19 +180,32 @@ def _engines_at_once(request, workdir):
     harness.prelaunch(request, plan, REPO, WORKER_TIMEOUT_S)
 
 
-@pytest.mark.parametrize("preset, enable", [("mamba2-n128-g8", "env"), ("mamba2-n64-g1", "backend")])
+@pytest.mark.parametrize("preset, enable", [("mamba2-n128-g8", "env"), ("mamba2-n64-g1", "backend"),
+                                            ("nemotron-h-tiny", "backend"), ("falcon-h1-tiny", "backend")])
 def test_tk_ssd_agrees_with_vllm_triton_like_two_correct_paths(workdir, preset, enable):
+    """The hybrids run TK's attention too (attention_backend TK). What runs where follows tk_backend.vllm.mamba:
+    state sizes TK's scan does not take (UPDATE_ONLY_STATE_DIMS, Falcon-H1's 256) scan on vLLM's kernels (a
+    logged fallback) and update on TK's where tk_update_faster says (batches of 32 and up: the captured graphs')."""
+    from tk_backend.vllm import mamba as tk_mamba
+
     model = _model(workdir, preset)
     fp32, triton, tk = _run(model, enable, workdir / preset, *PATHS)
     stats_tk = tk["stats"]
-    assert stats_tk.get("tk_scan", 0) > 0, f"TK's scan did not run in the TK worker (TK on by {enable}): {stats_tk}"
-    if enable == "env":  # TK_MAMBA=1: the decode update on TK too
-        assert stats_tk.get("tk_update", 0) > 0, f"TK's update did not run under TK_MAMBA=1: {stats_tk}"
-    else:  # following the attention backend, the update stays on vLLM's (faster) Triton kernel
-        assert stats_tk.get("tk_update", 0) == 0 and stats_tk.get("vllm_update", 0) > 0, \
-            f"the decode update should stay on vLLM's kernel without TK_MAMBA=1: {stats_tk}"
-    assert stats_tk.get("fallback_scan", 0) == 0 and stats_tk.get("fallback_update", 0) == 0, \
-        f"TK fell back to Triton: {stats_tk}"
+    state_size = _state_size(model)
+    if state_size in tk_mamba.UPDATE_ONLY_STATE_DIMS and state_size not in tk_mamba.STATE_DIMS:
+        assert stats_tk.get("tk_scan", 0) == 0 and stats_tk.get("fallback_scan", 0) > 0, \
+            f"state {state_size}: the scan should fall back to vLLM's (TK's takes {tk_mamba.STATE_DIMS}): {stats_tk}"
+        assert stats_tk.get("tk_update", 0) > 0 and stats_tk.get("fallback_update", 0) == 0, \
+            f"state {state_size}: the batches of 32 and up should update on TK: {stats_tk}"
+    else:
+        assert stats_tk.get("tk_scan", 0) > 0, f"TK's scan did not run in the TK worker (TK on by {enable}): {stats_tk}"
+        if enable == "env":  # TK_MAMBA=1: the decode update on TK too
+            assert stats_tk.get("tk_update", 0) > 0, f"TK's update did not run under TK_MAMBA=1: {stats_tk}"
+        else:  # following the attention backend, the update stays on vLLM's (faster) Triton kernel
+            assert stats_tk.get("tk_update", 0) == 0 and stats_tk.get("vllm_update", 0) > 0, \
+                f"the decode update should stay on vLLM's kernel without TK_MAMBA=1: {stats_tk}"
+        assert stats_tk.get("fallback_scan", 0) == 0 and stats_tk.get("fallback_update", 0) == 0, \
+            f"TK fell back to Triton: {stats_tk}"
     for other in (triton, fp32):
         assert other["stats"].get("tk_scan", 0) == 0 and other["stats"].get("tk_update", 0) == 0, \
             f"TK's ops ran in the {other['name']} worker: {other['stats']}"
