@@ -931,11 +931,20 @@ def run(quick: bool = False) -> list:
             finally:
                 for e in engines:
                     e.close()
+            group_rows = []
             for impl, per_case in runs.items():
                 for case in cases:
                     row = case_row(case, impl, per_case[case.name], suffix, None if model.tiny else kv_bytes)
                     if row is not None:
-                        rows.append(row)
+                        group_rows.append(row)
+            rows += group_rows
+            # Each group's rows as soon as they exist: a run a device call's limit cuts short still shows the groups
+            # it finished (bench.py writes the results file only at the end).
+            from benchlib import print_table
+
+            print(f"serve: {group.label} done", flush=True)
+            print_table(group_rows)
+            sys.stdout.flush()
     if failures:
         print("serve: engines that failed (left out of the rows above):\n  " + "\n  ".join(
             f.splitlines()[0] for f in failures), flush=True)
