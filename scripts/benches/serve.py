@@ -896,6 +896,7 @@ def worker_command(group: Group, model_dir: Path, backend: str, tp: int) -> list
 
 
 def run(quick: bool = False) -> list:
+    from benchlib import print_table
     from serve_demo import vllm_env
 
     models = selected_models()
@@ -940,8 +941,6 @@ def run(quick: bool = False) -> list:
             rows += group_rows
             # Each group's rows as soon as they exist: a run a device call's limit cuts short still shows the groups
             # it finished (bench.py writes the results file only at the end).
-            from benchlib import print_table
-
             print(f"serve: {group.label} done", flush=True)
             print_table(group_rows)
             sys.stdout.flush()
