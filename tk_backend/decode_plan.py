@@ -359,6 +359,9 @@ def full_length_step_chunk(plan: DecodePlan) -> int:
 # Keys a K/V tile in the D=128 decode kernel (csrc/kernels/decode/): 64-key tiles (6 stages) stream short work
 # faster, 128-key tiles (3 stages) long work (docs/findings/decode.md#decode-kv-gate).
 KV64_STEP_CHUNKS = (1024, 4096)
+# Over FP8 caches (the e4m3-query kernel): a 4096-key step chunk streams on 128-key tiles, as balanced mode's long
+# pieces do there (balanced_fp8_kv128); docs/findings/decode.md#decode-fp8-kv128-static.
+KV64_STEP_CHUNKS_FP8 = (1024, 2048)
 
 
 def balanced_fp8_kv128(plan: DecodePlan) -> bool:
@@ -377,7 +380,7 @@ def kv_tile(plan: DecodePlan, balanced: bool) -> int:
         return 128
     if balanced:
         return 128 if plan.kv_dtype != "16bit" and balanced_fp8_kv128(plan) else 64
-    lo, hi = KV64_STEP_CHUNKS
+    lo, hi = KV64_STEP_CHUNKS if plan.kv_dtype == "16bit" else KV64_STEP_CHUNKS_FP8
     return 64 if lo <= full_length_step_chunk(plan) <= hi else 128
 
 

@@ -391,8 +391,14 @@ def test_kv_tile_follows_the_full_length_step_chunk(batch, context, tile):
     other = decode_plan.make_plan(batch, context, 1, 32, 8, 64, 16, 132, -1, 0, "NVIDIA H200")
     assert decode_plan.kv_tile(other, True) == 128  # 64-key tiles exist at head dim 128 only
     fp8 = decode_plan.make_plan(batch, context, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200", kv_dtype="fp8_e4m3")
-    lo, hi = decode_plan.KV64_STEP_CHUNKS  # the same rule over fp8 caches (its e4m3-query kernel has both tiles)
+    lo, hi = decode_plan.KV64_STEP_CHUNKS_FP8  # fp8 caches' own window (its e4m3-query kernel has both tiles)
     assert decode_plan.kv_tile(fp8, False) == (64 if lo <= decode_plan.full_length_step_chunk(fp8) <= hi else 128)
+
+
+def test_fp8_step_chunks_of_4096_keys_take_128_key_tiles():
+    fp8 = decode_plan.make_plan(8, 8192, 1, 32, 8, 128, 16, 132, -1, 0, "NVIDIA H200", kv_dtype="fp8_e4m3")
+    assert decode_plan.full_length_step_chunk(fp8) == 4096 and decode_plan.kv_tile(fp8, False) == 128
+    assert decode_plan.kv_tile(_h200_plan(8, 8192), False) == 64  # 16 bits: 64-key tiles there
 
 
 @pytest.mark.parametrize("batch, width, tile", [

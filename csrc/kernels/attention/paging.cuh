@@ -11,12 +11,13 @@ __device__ __forceinline__ int div_by(int n, const kittens::divisor& d) { return
 __device__ __forceinline__ int mod_by(int n, const kittens::divisor& d) { return d.mod(n); }
 
 // A paged K/V tile's PIECES pieces: token_of(s) is piece s's first token, copy(s, page, row_in_page) issues its
-// copies. Two pieces' pages are looked up before their copies, so the lookups are in flight together (a TMA issue
-// is a memory barrier to the compiler); not all of a tile's at once, so the producer keeps its registers few.
-template <int PIECES, typename BlockSize, typename TokenOf, typename Copy>
+// copies. LOOKUPS pieces' pages are looked up before their copies, so the lookups are in flight together (a TMA
+// issue is a memory barrier to the compiler); by default two, not all of a tile's, so the producer keeps its
+// registers few.
+template <int PIECES, int LOOKUPS_WANTED = 2, typename BlockSize, typename TokenOf, typename Copy>
 __device__ __forceinline__ void paged_pieces(const int* pages, const BlockSize& block_size, TokenOf token_of,
                                              Copy copy) {
-  constexpr int LOOKUPS = PIECES % 2 == 0 ? 2 : 1;
+  constexpr int LOOKUPS = PIECES % LOOKUPS_WANTED == 0 ? LOOKUPS_WANTED : 1;
 #pragma unroll
   for (int s0 = 0; s0 < PIECES; s0 += LOOKUPS) {
     int token[LOOKUPS], page[LOOKUPS];

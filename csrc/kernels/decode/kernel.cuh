@@ -26,6 +26,8 @@ struct attn_decode_split {
   // Chained to whatever came before (balanced mode: its schedule kernel), and the merge to this one: each
   // launch overlaps the previous kernel's tail (the b1 cases are a few microseconds a kernel).
   static constexpr lcsf::options pipeline{.chain = lcsf::launch_chain::chained};
+  // More page lookups in flight (policy::page_lookups) hold a register pair each in the producer: 40 spilled them.
+  static constexpr int min_producer_registers = P.page_lookups > 2 ? 64 : 0;
   static_assert(!P.fp8_q || (P.fp8_kv && !P.ragged_head_dim), "an e4m3 query: over fp8 caches, at tile head dims");
   using mma_t = std::conditional_t<P.fp8_kv, half, T>;      // the products' inputs (P V's; and Q K^T's but fp8_q)
   using cache_t = std::conditional_t<P.fp8_kv, fp8e4m3, T>;  // the caches' elements
@@ -137,7 +139,7 @@ struct attn_decode_split {
   __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
     expect_bytes(full, 2 * tma::bytes<kv_tile>());
     const int row = t.base + it * KV, last = (t.end - 1) & ~(PIECE - 1);  // pieces past the end re-read the last
-    tk::attn::paged_pieces<KV / PIECE>(g.block_table + t.b * g.bt_stride, g.block_size,
+    tk::attn::paged_pieces<KV / PIECE, P.page_lookups>(g.block_table + t.b * g.bt_stride, g.block_size,
                                        [&](int s) { return min(row + s * PIECE, last); },
                                        [&](int s, int page, int at_row) {
                                          const coord at{.b = page, .d = t.h, .row = at_row};

@@ -22,6 +22,10 @@ struct policy {
   // (with fp8_kv) q holds e4m3 values (vLLM's query, quantized per tensor for an fp8 cache): S = Q K^T is an e4m3
   // product on the raw ring's K tiles, and only V converts (its product with P stays fp16).
   bool fp8_q = false;
+  // Page ids the producer looks up together before their pieces' copies (a TMA issue orders the loads before it):
+  // a stage's lookups take kv_rows / 16 / page_lookups round trips. D=64's 32 KB stages are half D=128's bytes a
+  // piece, so its lookups go four at a time (eight spilled: docs/findings/decode.md#decode-d64-lookups).
+  int page_lookups = 2;
 };
 using tk::attn::tile_head_dim, tk::attn::with_ragged_head_dim, tk::attn::with_sinks;
 // fp8 tiles are half the bytes: the ring takes `stages` of them in what the converted ring leaves of shared memory.
@@ -39,7 +43,7 @@ constexpr policy with_fp8_qk(policy p, int stages, int converted_stages) {
   p.fp8_q = true;
   return p;
 }
-inline constexpr policy d64{.head_dim = 64, .kv_rows = 128, .stages = 6};
+inline constexpr policy d64{.head_dim = 64, .kv_rows = 128, .stages = 6, .page_lookups = 4};
 inline constexpr policy d128{.head_dim = 128, .kv_rows = 128, .stages = 3};
 // 64-key tiles in 6 stages hold the ring bytes of 128 x 3 but free a stage twice as often: short items and balanced
 // pieces stream faster, long ones slower (decode_plan.kv_tile picks: attn_decode_problem::kv_tile).

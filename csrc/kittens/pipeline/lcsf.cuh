@@ -168,7 +168,15 @@ __device__ __forceinline__ int next_id(const typename K::globals& g, const typen
 // The producer's registers: 40 beside two consumers; beside three, 32 (3 x 160 + 32 fill the file exactly, so
 // the consumers keep 160; 24 made the paged loads' page lookups spill). Converting warps keep a stage's units in
 // flight: 96 beside one consumer (which keeps 240; 64 spilled at D=256).
-template <kernel_policy K> constexpr int producer_registers = K::consumers == 3 ? 32 : converts<K>() ? 96 : 40;
+// A kernel may ask for more (K::min_producer_registers) where its producer holds more in flight; beside one
+// consumer the file has room (the consumer keeps 240 either way).
+template <kernel_policy K> constexpr int min_producer_registers() {
+  if constexpr (requires { K::min_producer_registers; }) return K::min_producer_registers;
+  else return 0;
+}
+template <kernel_policy K>
+constexpr int producer_registers =
+    std::max(K::consumers == 3 ? 32 : converts<K>() ? 96 : 40, min_producer_registers<K>());
 // What is left of the 64K-register file, split over the consumers (at most 240 a thread).
 template <kernel_policy K> constexpr int consumer_registers =
     std::min(240, ((65536 / WARPGROUP_THREADS - producer_registers<K>) / K::consumers) / 8 * 8);
@@ -188,6 +196,8 @@ template <kernel_policy K> constexpr size_t shared_bytes = sizeof(shared_layout<
 
 template <kernel_policy K>
 __global__ void __launch_bounds__(threads<K>, 1) kernel(const __grid_constant__ typename K::globals g) {
+  static_assert(producer_registers<K> + K::consumers * consumer_registers<K> <= 65536 / WARPGROUP_THREADS,
+                "the producer's and the consumers' registers pass the register file");
   extern __shared__ uint8_t smem_raw[];
   // Aligned by an offset from smem_raw itself, not by masking a cast integer: the pointer keeps its shared
   // address space, so the kernels' plain C++ accesses to their scratch compile to LDS/STS, not generic LD/ST.
