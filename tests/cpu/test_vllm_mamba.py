@@ -385,19 +385,30 @@ def test_tk_update_faster_names_the_measured_shapes(batch, n, p, state_dtype, x_
     assert tkm.tk_update_faster(state, x) is expected
 
 
-def test_a_tk_layer_without_the_update_takes_the_faster_shapes(vllm_ops, kernels):
+# How the slots come: TK's own form (1-D, no destination), and vLLM 0.26 / 0.33 without prefix caching ([batch, 1]
+# read and written in place: the same tensor as destination); distinct destinations (prefix caching "all") stay on
+# vLLM's kernel, which is not a fallback: the layer never asked TK for that call.
+@pytest.mark.parametrize("slots_form, expected", [("1d", "tk_update"), ("vllm_in_place", "tk_update"),
+                                                  ("vllm_distinct_dst", "vllm_update")])
+def test_a_tk_layer_without_the_update_takes_the_faster_shapes(vllm_ops, kernels, slots_form, expected):
     b, h, p, n = tkm.FASTER_UPDATE_MIN_BATCH, 2, 64, 256
-    state = torch.zeros(b + 1, h, p, n, dtype=torch.bfloat16)
+    state = torch.zeros(2 * b + 1, h, p, n, dtype=torch.bfloat16)
+    src = torch.arange(1, b + 1, dtype=torch.int32)
+    slots = {"1d": dict(state_batch_indices=src)}.get(slots_form)
+    if slots is None:
+        src = src[:, None]
+        dst = src if slots_form == "vllm_in_place" else src + b
+        slots = dict(state_batch_indices=src, dst_state_batch_indices=dst, num_accepted_tokens=None, cu_seqlens=None)
     before = dict(tkm.STATS)
     with tkm.tk_layer("model.layers.0.mixer", update=False):
         tkm.selective_state_update(state, torch.randn(b, h, p).bfloat16(), torch.randn(b, h, p).bfloat16(),
                                    -torch.rand(h, p, n), torch.randn(b, 1, n).bfloat16(),
                                    torch.randn(b, 1, n).bfloat16(), torch.randn(h, p), torch.randn(h, p),
-                                   dt_softplus=True, state_batch_indices=torch.arange(1, b + 1, dtype=torch.int32),
-                                   out=torch.empty(b, h, p, dtype=torch.bfloat16))
-    assert vllm_ops == [] and kernels["update"] == 1
+                                   dt_softplus=True, out=torch.empty(b, h, p, dtype=torch.bfloat16), **slots)
+    assert kernels["update"] == (expected == "tk_update")
+    assert [s[0] for s in vllm_ops] == ([] if expected == "tk_update" else ["update"])
     grew = {k: v - before.get(k, 0) for k, v in tkm.STATS.items() if v != before.get(k, 0)}
-    assert grew == {"tk_update": 1}, grew
+    assert grew == {expected: 1}, grew
 
 
 def test_layers_not_on_tk_always_use_vllm(vllm_ops, kernels):

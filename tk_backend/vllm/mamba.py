@@ -338,11 +338,12 @@ def selective_state_update(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplu
     if null_block_id is None:
         null_block_id = api.null_block_id
     layer = _active_layer.get()
-    plain = num_accepted_tokens is None and cu_seqlens is None and dst_state_batch_indices is None  # one token a row
-    if layer is None or not (_active_update.get() or (plain and tk_update_faster(state, x))):
+    # reason None: one token a row, its slot read and written in place (vLLM passes dst = src then, not None)
+    slots, reason = (None, "not a TK layer") if layer is None else \
+        decode_slots(state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens)
+    if layer is None or not (_active_update.get() or (reason is None and tk_update_faster(state, x))):
         STATS["vllm_update"] += 1
     else:
-        slots, reason = decode_slots(state_batch_indices, dst_state_batch_indices, num_accepted_tokens, cu_seqlens)
         if reason is None:
             try:
                 tk_selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
