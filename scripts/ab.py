@@ -9,7 +9,8 @@ Make a patch with `git diff main...BRANCH > ab/NAME.patch` (ab/ is not ignored, 
 call; ab/README.md has the rules). On the GPU host each variant is copied to /tmp/ab/NAME, patched and built next
 to the base (the CPU cores split between the builds); then each variant's --test files run, and each family's
 bench runs once per tree, in turn (base, variants, then base again, so that drift shows; --rounds N repeats
-variants and base N times and reports medians). PATCH=fam1,fam2 times that variant on those families
+variants and base N times and reports medians; --peers-in-base-only times the variants' tk alone and rates them
+on the base runs' peers). PATCH=fam1,fam2 times that variant on those families
 only (the families run are the union of --family and these); A.patch+B.patch is one variant with both applied. Prints, per case, every
 variant's tk time over base's (< 1: the variant is faster) and tk / best peer for each. $OUT/ab/ gets few files
 (a device call brings back at most 8): report.txt and runs.json, rewritten after every bench run so that a call
@@ -89,9 +90,9 @@ def reuse_extension(tree: Path) -> bool:
     return bool(libs)
 
 
-def run_in(tree: Path, args: list[str], log: Path, timeout: int = 900) -> int:
+def run_in(tree: Path, args: list[str], log: Path, timeout: int = 900, env_extra: dict | None = None) -> int:
     """The command's exit status; 124 (as timeout(1) gives) when it ran past `timeout` seconds and was killed."""
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {})}
     with open(log, "a") as f:
         try:
             return subprocess.run([sys.executable, *args], cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -113,14 +114,21 @@ def median_of(runs: list[dict], key: tuple[str, str], impl: str = "tk") -> float
     return statistics.median(values) if values else None
 
 
-def peer_ratio(runs: list[dict], key: tuple[str, str]) -> str:
-    """Best peer's time over tk's, the median over the runs (each run's ratio from its own peers)."""
+def peer_ratio(runs: list[dict], key: tuple[str, str], base_runs: list[dict] | None = None) -> str:
+    """Best peer's time over tk's, the median over the runs (each run's ratio from its own peers). Runs that timed
+    tk alone (--peers-in-base-only) take the base runs' peers: their median best time over the runs' median tk."""
     ratios = []
     for run in runs:
         impls = run.get(key, {})
         peers = [ms for impl, ms in impls.items() if impl != "tk"]
         if peers and "tk" in impls:
             ratios.append(min(peers) / impls["tk"])
+    if not ratios and base_runs:
+        tk = median_of(runs, key)
+        best = [min(ms for impl, ms in run[key].items() if impl != "tk") for run in base_runs
+                if key in run and any(impl != "tk" for impl in run[key])]
+        if tk is not None and best:
+            return f"{statistics.median(best) / tk:.3f}"
     return f"{statistics.median(ratios):.3f}" if ratios else "-"
 
 
@@ -142,7 +150,7 @@ def compare(base_runs: list[dict], variants: dict[str, list[dict]]) -> list[str]
             ratio.append(f"{v / base_tk:.3f}" if v is not None else "-")
         lines.append(f"{key[0] + ':' + key[1]:<46}{base_tk:>11.4f}{drift:>7.3f}  " + "  ".join(f"{r:>16}" for r in ratio)
                      + f"{peer_ratio(base_runs, key):>14}  "
-                     + "  ".join(f"{peer_ratio(variants[n], key):>16}" for n in variants))
+                     + "  ".join(f"{peer_ratio(variants[n], key, base_runs):>16}" for n in variants))
     return lines
 
 
@@ -162,6 +170,10 @@ def main() -> int:
                         help="build the native variants one after another in this tree (each patch applied, "
                              "built, reverted: ninja recompiles only what it touches, with every core) instead of "
                              "each in its own copy from scratch, the cores split between them")
+    parser.add_argument("--peers-in-base-only", action="store_true",
+                        help="variants time tk alone (TK_BENCH_IMPLS=tk; the decode bench then skips its read "
+                             "ceiling): their tk / peer uses the base runs' peers, interleaved with them in the "
+                             "same call. About a third less bench time a round where the peers cost what tk does")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time base, variants, base ... this many times over (short kernels whose time is "
                              "bimodal from process to process); the ratios are medians over the rounds")
@@ -254,7 +266,8 @@ def main() -> int:
             tag = f"{label}{index}"
             path = run_dir / f"{fam}_{'' if is_base else 'variant_'}{tag}.json"
             log = run_dir / f"bench_{'' if is_base else 'variant_'}{tag}.log"
-            rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path), "--no-picture"], log)
+            rc = run_in(tree, ["scripts/bench.py", "--family", fam, "--out", str(path), "--no-picture"], log,
+                        env_extra={"TK_BENCH_IMPLS": "tk"} if args.peers_in_base_only and not is_base else None)
             if rc != 0 or not path.exists():
                 tail = [x for x in log.read_text().splitlines() if x.strip()][-12:] if log.exists() else []
                 print(f"{fam} {tag}: bench failed (rc {rc})" + "".join(f"\n  | {x[:300]}" for x in tail), flush=True)

@@ -109,7 +109,7 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     ran = []
 
-    def fake_run(tree, args, log, timeout=900):
+    def fake_run(tree, args, log, timeout=900, env_extra=None):
         ran.append((tree.name if tree != ab.REPO else "BASE", args[0], args[2] if len(args) > 2 else ""))
         if args[0] == "scripts/bench.py":
             _write_bench_rows(args, 1.0 if tree == ab.REPO else 0.8)
@@ -130,6 +130,32 @@ def test_ab_runs_each_variant_on_its_families_even_when_named_like_the_base(tmp_
     assert "based-step-pipelined / base" in report[0] and "mask-branchless / base" in report[0]
     assert report[1].split()[:4] == ["based:c", "1.0000", "1.000", "0.800"]
     assert report[2].split()[:5] == ["attn_decode:c", "1.0000", "1.000", "-", "0.800"]
+
+
+def test_ab_peers_in_base_only_times_variants_alone_and_rates_them_on_the_base_peers(tmp_path, monkeypatch):
+    """--peers-in-base-only: each variant run sees TK_BENCH_IMPLS=tk, the base runs everything; a variant's tk / peer
+    is the base runs' median best peer over the variant's median tk."""
+    import json
+
+    ab = _ab_with_fake_builds(monkeypatch, tmp_path)
+    envs = []
+
+    def fake_run(tree, args, log, timeout=900, env_extra=None):
+        if args[0] == "scripts/bench.py":
+            envs.append((tree == ab.REPO, env_extra))
+            alone = (env_extra or {}).get("TK_BENCH_IMPLS") == "tk"
+            rows = [{"kernel": args[2], "case": "c", "impl": "tk", "median_ms": 1.0 if tree == ab.REPO else 0.8}]
+            if not alone:
+                rows.append({"kernel": args[2], "case": "c", "impl": "vllm_fa3", "median_ms": 0.9})
+            Path(args[4]).write_text(json.dumps({"results": rows}))
+        return 0
+
+    monkeypatch.setattr(ab, "run_in", fake_run)
+    _ab_argv(monkeypatch, tmp_path, {"v": "attn_decode"}, "--peers-in-base-only")
+    assert ab.main() == 0
+    assert envs == [(True, None), (False, {"TK_BENCH_IMPLS": "tk"}), (True, None)]
+    row = (tmp_path / "ab" / "report.txt").read_text().splitlines()[1].split()
+    assert row == ["attn_decode:c", "1.0000", "1.000", "0.800", "0.900", "1.125"]  # 0.9 / 0.8: the base's peer
 
 
 def test_ab_incremental_builds_each_variant_in_place_then_restores_the_base(tmp_path, monkeypatch):
@@ -154,7 +180,7 @@ def test_ab_incremental_builds_each_variant_in_place_then_restores_the_base(tmp_
             lib.write_text("built with " + ",".join(present))
         return True
 
-    def fake_run(tree, args, log, timeout=900):
+    def fake_run(tree, args, log, timeout=900, env_extra=None):
         if args[0] == "scripts/bench.py":
             _write_bench_rows(args, 1.0)
         return 0
@@ -179,7 +205,7 @@ def test_ab_rounds_interleave_variants_and_base(tmp_path, monkeypatch):
     ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     ran, variant_ms = [], iter([0.7, 0.9, 0.8])
 
-    def fake_run(tree, args, log, timeout=900):
+    def fake_run(tree, args, log, timeout=900, env_extra=None):
         if args[0] == "scripts/bench.py":
             ran.append(tree.name if tree != ab.REPO else "BASE")
             _write_bench_rows(args, 1.0 if tree == ab.REPO else next(variant_ms))
@@ -198,7 +224,7 @@ def test_ab_report_holds_the_families_finished_before_a_stop(tmp_path, monkeypat
     every run already timed."""
     ab = _ab_with_fake_builds(monkeypatch, tmp_path)
 
-    def fake_run(tree, args, log, timeout=900):
+    def fake_run(tree, args, log, timeout=900, env_extra=None):
         if args[0] == "scripts/bench.py":
             if args[2] == "attn_decode" and tree != ab.REPO:
                 raise subprocess.TimeoutExpired(args, timeout)
@@ -224,7 +250,7 @@ def test_ab_keeps_its_out_folder_small_and_its_report_current_after_every_run(tm
     ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     calls = []
 
-    def fake_run(tree, args, log, timeout=900):
+    def fake_run(tree, args, log, timeout=900, env_extra=None):
         if args[0] == "scripts/bench.py":
             calls.append(args)
             if len(calls) == 4:  # the second round's variant run: the call is stopped there
@@ -258,7 +284,7 @@ def test_ab_drops_a_variant_whose_test_times_out(tmp_path, monkeypatch):
     ab = _ab_with_fake_builds(monkeypatch, tmp_path)
     benched, timeouts = [], []
 
-    def fake_run(tree, args, log, timeout=900):
+    def fake_run(tree, args, log, timeout=900, env_extra=None):
         if args[0] == "-m":  # pytest: the "hung" variant's test runs past its limit
             timeouts.append(timeout)
             log.write_text(f"killed after {timeout} s\n" if tree.name == "hung" else "1 passed\n")
