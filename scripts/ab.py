@@ -114,19 +114,20 @@ def median_of(runs: list[dict], key: tuple[str, str], impl: str = "tk") -> float
     return statistics.median(values) if values else None
 
 
+def best_peer(impls: dict[str, float]) -> float | None:
+    """The fastest peer's time among a case's impls, or None without a peer."""
+    peers = [ms for impl, ms in impls.items() if impl != "tk"]
+    return min(peers) if peers else None
+
+
 def peer_ratio(runs: list[dict], key: tuple[str, str], base_runs: list[dict] | None = None) -> str:
     """Best peer's time over tk's, the median over the runs (each run's ratio from its own peers). Runs that timed
     tk alone (--peers-in-base-only) take the base runs' peers: their median best time over the runs' median tk."""
-    ratios = []
-    for run in runs:
-        impls = run.get(key, {})
-        peers = [ms for impl, ms in impls.items() if impl != "tk"]
-        if peers and "tk" in impls:
-            ratios.append(min(peers) / impls["tk"])
+    ratios = [best_peer(run[key]) / run[key]["tk"] for run in runs
+              if key in run and "tk" in run[key] and best_peer(run[key]) is not None]
     if not ratios and base_runs:
         tk = median_of(runs, key)
-        best = [min(ms for impl, ms in run[key].items() if impl != "tk") for run in base_runs
-                if key in run and any(impl != "tk" for impl in run[key])]
+        best = [ms for run in base_runs if key in run and (ms := best_peer(run[key])) is not None]
         if tk is not None and best:
             return f"{statistics.median(best) / tk:.3f}"
     return f"{statistics.median(ratios):.3f}" if ratios else "-"

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pathlib
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from benchlib import ROOT, merge_results, print_table  # noqa: E402
+from benchlib import ROOT, impls_subset, merge_results, print_table  # noqa: E402
 
 FAMILIES = {
     "gemm": "benches.gemm", "attn_prefill": "benches.attention", "attn_decode": "benches.decode",
@@ -55,7 +54,7 @@ def main() -> int:
     for fam in families:
         rows += importlib.import_module(FAMILIES[fam]).run(quick=args.quick)
     default_out = args.out == parser.get_default("out")
-    if os.environ.get("TK_BENCH_IMPLS") and default_out:
+    if impls_subset() and default_out:
         print(f"not written to {args.out}: TK_BENCH_IMPLS times a subset of the impls, and the table keeps "
               "every case's tk and peers from one run")
     elif not args.quick:

@@ -96,10 +96,20 @@ def commit_of_tree() -> str:
         return "unknown"
 
 
+def _only_impls() -> list[str]:
+    return [i for i in os.environ.get("TK_BENCH_IMPLS", "").split(",") if i]
+
+
+def impls_subset() -> bool:
+    """Whether $TK_BENCH_IMPLS times a subset of the impls (an A/B's variant run): such a run writes no table and
+    skips what only the table needs (the decode read ceiling)."""
+    return bool(_only_impls())
+
+
 def selected(impls: dict) -> dict:
     """The impls to time: all, or those named in $TK_BENCH_IMPLS (comma-separated; e.g. tk for an A/B of tk
     variants, where the peers' times add nothing)."""
-    only = [i for i in os.environ.get("TK_BENCH_IMPLS", "").split(",") if i]
+    only = _only_impls()
     return {k: v for k, v in impls.items() if not only or k in only}
 
 

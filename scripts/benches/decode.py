@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import tk_backend
 from tk_backend import attention, decode_plan
-from benchlib import Row, selected, time_per_call
+from benchlib import Row, impls_subset, selected, time_per_call
 from benches import read_ceiling
 
 D = 128
@@ -275,8 +275,8 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
             continue
         rows.append(Row("attn_decode", case, impl, ms, tbps=bytes_moved / ms / 1e9))
     tk_row = next((r for r in rows if r.impl == "tk"), None)
-    subset = bool(os.environ.get("TK_BENCH_IMPLS"))  # e.g. an A/B's variant run, which writes no table
-    if tk_row is not None and layers == 1 and not serve and b >= 8 and ctx >= 8192 and window < 0 and not subset:
+    if (tk_row is not None and layers == 1 and not serve and b >= 8 and ctx >= 8192 and window < 0
+            and not impls_subset()):
         # Where decode streams (issue 48's bar): the case's own K/V tensors read as fast as this GPU reads them
         try:
             ceiling = read_ceiling.read_ceiling_tbps([k_cache, v_cache], num_sms, time_per_call)
