@@ -20,6 +20,17 @@ using namespace kittens;
 template <typename T, policy P, schedule_source Source>
 struct local_kernel : attn_decode_split<T, P, Source> {};
 
+// The L2 fill of a cache row's TMA read. A head's row of fewer than 256 bytes (D=64 in 16 bits, D <= 128 in fp8)
+// beside other heads' rows (vLLM's [blocks, block_size, heads, D]) would bring a neighbouring head's row along,
+// which, when a CTA runs a sequence's heads one after another (B >= 64: several items a CTA), is read much later,
+// long evicted: the fill stops at the row's 128 bytes then.
+template <typename Cache>
+CUtensorMapL2promotion row_promotion(long head_dim, long token_stride) {
+  const long row_bytes = head_dim * long(sizeof(Cache));
+  return row_bytes <= 128 && token_stride > head_dim ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                     : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+}
+
 template <typename T, policy P, schedule_source Source>
 void launch(const tk::attn_decode_problem& p, const tk::attn_kv_descales& descales, cudaStream_t stream) {
   using K = local_kernel<T, P, Source>;
@@ -28,8 +39,10 @@ void launch(const tk::attn_decode_problem& p, const tk::attn_kv_descales& descal
   const int group = p.hq / p.hkv, rows = p.q_len * group;
   typename K::globals g{};
   const long d = p.head_dim;  // D, or less with ragged_head_dim
-  g.k = {cache(p.k), {p.num_blocks, p.hkv, p.block_size, d}, {p.k_strides[0], p.k_strides[2], p.k_strides[1], 1}};
-  g.v = {cache(p.v), {p.num_blocks, p.hkv, p.block_size, d}, {p.v_strides[0], p.v_strides[2], p.v_strides[1], 1}};
+  g.k = {cache(p.k), {p.num_blocks, p.hkv, p.block_size, d}, {p.k_strides[0], p.k_strides[2], p.k_strides[1], 1},
+         row_promotion<typename K::cache_t>(d, p.k_strides[1])};
+  g.v = {cache(p.v), {p.num_blocks, p.hkv, p.block_size, d}, {p.v_strides[0], p.v_strides[2], p.v_strides[1], 1},
+         row_promotion<typename K::cache_t>(d, p.v_strides[1])};
   g.q = static_cast<const typename K::q_elem_t*>(p.q);  // T, or e4m3 (P.fp8_q)
   for (int i = 0; i < 3; i++) g.q_strides[i] = p.q_strides[i];
   g.cache_seqlens = p.cache_seqlens;

@@ -47,7 +47,8 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // Box = one swizzle chunk of the tile: (chunk_cols, rows, 1, 1). Wider tiles are copied chunk by chunk,
 // so ragged column extents are bounds-checked (zero-filled / clipped) by the hardware.
 template <typename T, typename Tile>
-inline CUtensorMap encode_tma(const T* ptr, const std::array<long, 4>& sizes, const std::array<long, 4>& strides) {
+inline CUtensorMap encode_tma(const T* ptr, const std::array<long, 4>& sizes, const std::array<long, 4>& strides,
+                              CUtensorMapL2promotion promotion) {
   using R = typename Tile::ref_t;
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) throw std::invalid_argument("TMA needs a 16-byte aligned base address");
   // sizes/strides are (b, d, row, col); the tensor map wants innermost first.
@@ -69,7 +70,7 @@ inline CUtensorMap encode_tma(const T* ptr, const std::array<long, 4>& sizes, co
   CUtensorMap map;
   CUresult res = tensor_map_encoder()(&map, tma_dtype<T>(), 4, const_cast<T*>(ptr), dims, gstrides, box, estrides,
                                       CU_TENSOR_MAP_INTERLEAVE_NONE, tma_swizzle(R::swizzle_bytes),
-                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                      promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(res)));
   return map;
 }
@@ -95,8 +96,10 @@ struct gl {
   CUtensorMap maps[sizeof...(Tiles) > 0 ? sizeof...(Tiles) : 1];
 
   gl() = default;
-  // Host: sizes (b, d, row, col) and strides in elements; strides default to contiguous.
-  __host__ gl(T* p, std::array<long, 4> size, std::array<long, 4> stride = {0, 0, 0, 0}) : ptr(p) {
+  // Host: sizes (b, d, row, col) and strides in elements; strides default to contiguous. `promotion`: the L2 fill
+  // a TMA read of these rows asks for (256 B by default: a 128-B box's neighbour comes along).
+  __host__ gl(T* p, std::array<long, 4> size, std::array<long, 4> stride = {0, 0, 0, 0},
+              CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) : ptr(p) {
     for (int i = 0; i < 4; i++) {
       if (static_size(i) != RUNTIME && static_size(i) != size[i])
         throw std::invalid_argument("gl: dimension " + std::to_string(i) + " is fixed at " +
@@ -106,7 +109,7 @@ struct gl {
     if (stride == std::array<long, 4>{0, 0, 0, 0}) stride = {size[1] * size[2] * size[3], size[2] * size[3], size[3], 1};
     for (int i = 0; i < 4; i++) strides[i] = stride[i];
     int i = 0;
-    ((maps[i++] = detail::encode_tma<T, Tiles>(p, size, stride)), ...);
+    ((maps[i++] = detail::encode_tma<T, Tiles>(p, size, stride, promotion)), ...);
   }
 
   __device__ __forceinline__ long size(int i) const { return static_size(i) != RUNTIME ? static_size(i) : sizes[i]; }
