@@ -1,7 +1,7 @@
 """Mamba-2 SSD with mamba_ssm's API: the chunked scan (dense and varlen prefill) and the decode state update.
 
 x / B / C / z are bfloat16 or float16; dt, A, dt_bias, D and the states are used in float32 (other float
-dtypes are converted). headdim 64 or 128, dstate 64 or 128, nheads a multiple of ngroups.
+dtypes are converted). headdim 64 or 128, dstate 64, 128 or 256, nheads a multiple of ngroups.
 
 Varlen (cu_seqlens given, batch 1): every sequence is scanned on its own from its own initial state
 (initial_states [num_seqs, nheads, headdim, dstate], zeros if None), so chunks never straddle sequences
@@ -22,7 +22,7 @@ from tk_backend import _checks
 from tk_backend._library import lib, require_kernels
 
 HEAD_DIMS = (64, 128)
-STATE_DIMS = (64, 128)
+STATE_DIMS = (64, 128, 256)
 
 lib.define(
     "ssd_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor? dt_bias, "
@@ -121,7 +121,7 @@ def _check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
     _checks.shape(B, "B", (batch, seqlen, groups, dstate))
     _checks.shape(C, "C", tuple(B.shape))
     if dstate not in STATE_DIMS:
-        raise ValueError(f"dstate (B.shape[3]) must be 64 or 128, got {dstate}")
+        raise ValueError(f"dstate (B.shape[3]) must be 64, 128 or 256, got {dstate}")
     if groups < 1 or heads % groups:
         raise ValueError(f"nheads ({heads}) must be a multiple of ngroups (B.shape[2] = {groups})")
     D = _per_head(D, "D", heads, headdim, x)

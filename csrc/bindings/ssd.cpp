@@ -33,7 +33,7 @@ void ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, co
   const int64_t batch = x.size(0), seqlen = x.size(1), heads = x.size(2), headdim = x.size(3);
   const int64_t groups = B.size(2), dstate = B.size(3);
   TORCH_CHECK(headdim == 64 || headdim == 128, "headdim must be 64 or 128, got ", headdim);
-  TORCH_CHECK(dstate == 64 || dstate == 128, "dstate must be 64 or 128, got ", dstate);
+  TORCH_CHECK(dstate == 64 || dstate == 128 || dstate == 256, "dstate must be 64, 128 or 256, got ", dstate);
   TORCH_CHECK(groups >= 1 && heads % groups == 0, "nheads (", heads, ") must be a multiple of ngroups (", groups, ")");
   TORCH_CHECK(B.sizes() == C.sizes(), "C must have B's shape");
   TORCH_CHECK(B.size(0) == batch && B.size(1) == seqlen, "B must be [batch, seqlen, ngroups, dstate]");

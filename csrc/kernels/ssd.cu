@@ -33,13 +33,19 @@ __device__ __forceinline__ float softplus(float v) {
 // keeps the stride order: there the claims only add an atomic round trip per task (docs/findings/ssd.md#ssd-dynamic).
 template <typename T, int N, bool Dynamic>
 struct ssd_scan_kernel {
-  static constexpr int L = 64, P = 64, consumers = 2, stages = N == 64 ? 4 : 3;
+  // split (dstate 256, Falcon-H1): both consumers work on one head-dim block, consumer c on state columns
+  // [c NC, (c + 1) NC) (one consumer's whole S would take 128 registers a thread and spilled): C B^T and C S^T are
+  // then sums over the two halves, which consumer 1 hands to consumer 0 through shared memory each chunk
+  // (exchange); consumer 0 finishes the chunk (masks, P x, output), each updates its own half of S.
+  static constexpr bool split = N > 128;
+  static constexpr int L = 64, P = 64, consumers = 2, NC = split ? N / 2 : N, stages = N == 64 ? 4 : N == 128 ? 3 : 2;
+  static constexpr int bc_parts = split ? 2 : 1, x_parts = split ? 1 : consumers;
   static constexpr lcsf::options pipeline{
       .release_lag = 0, .walk = Dynamic ? lcsf::task_walk::claimed : lcsf::task_walk::strided};
-  using bc_tile = st<T, L, N>;
+  using bc_tile = st<T, L, NC>;      // C or B of the chunk (split: one half of the state columns)
   using x_tile = st<T, L, P>;
   using y_piece = st<T, 16, P>;      // one warp's rows of a chunk's output, on its way out
-  using state_tile = st<T, P, N>;    // S in x's type: the B operand of C S^T
+  using state_tile = st<T, P, NC>;   // S in x's type: the B operand of C S^T
   using x_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, RUNTIME, x_tile>;   // (batch, head, token, p)
   using y_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, RUNTIME, y_piece>;
   using z_gl = gl<T, RUNTIME, RUNTIME, RUNTIME, RUNTIME>;
@@ -63,12 +69,19 @@ struct ssd_scan_kernel {
     float dt_min, dt_max;
   };
   struct input_block {
-    bc_tile C, B;
-    x_tile x[consumers];
+    bc_tile C[bc_parts], B[bc_parts];
+    x_tile x[x_parts];
   };
+  // split: consumer 1's partial C B^T and C S^T, each thread's fragment registers at [register][thread] (both
+  // consumers' fragments have the same layout, so consumer 0's thread t adds what consumer 1's thread t left).
+  struct exchange_buffer {
+    float v[2 * 16 * L / WARP_THREADS][WARPGROUP_THREADS];
+  };
+  struct no_exchange {};
   struct scratch_block {
     state_tile S[consumers];
-    y_piece y[consumers][WARPGROUP_WARPS];
+    y_piece y[split ? 1 : consumers][WARPGROUP_WARPS];
+    [[no_unique_address]] std::conditional_t<split, exchange_buffer, no_exchange> exchange;
     // Per token j of the chunk, each warp keeping its own copy (no cross-warp barrier): dA_j; g_j =
     // log2(dt_j) - dA_j, so the decay mask's 2^(dA_i - dA_j) dt_j is 2^(dA_i + g_j); and the state update's
     // weight 2^(dA_last - dA_j) dt_j = 2^(dA_last + g_j).
@@ -78,7 +91,7 @@ struct ssd_scan_kernel {
     float D[consumers][P];  // this task's D for the consumer's head-dim columns
   };
   struct consumer_state {
-    rt_fl<16, N> S;  // rows 16w..16w+15 of this block's state (p), all of dstate
+    rt_fl<16, NC> S;  // rows 16w..16w+15 of this block's state (p), all of dstate (split: the consumer's half)
     float dt_raw[2];  // the next chunk's raw dt of tokens 2 lane, 2 lane + 1
   };
   struct task_t {
@@ -109,7 +122,7 @@ struct ssd_scan_kernel {
     t.iters = t.len > 0 ? ceil_div(t.len, L) : 0;
 #pragma unroll
     for (int c = 0; c < consumers; c++) {
-      const int unit = 2 * pair + c;
+      const int unit = split ? pair : 2 * pair + c;  // split: both consumers on the pair's one unit
       t.valid[c] = unit < g.units;
       const int u = min(unit, g.units - 1);  // an idle consumer computes on a duplicate and stores nothing
       t.head[c] = t.group * g.heads_per_group + u / g.pblocks;
@@ -119,14 +132,21 @@ struct ssd_scan_kernel {
   }
 
   __device__ static void load(input_block& in, const globals& g, const task_t& t, int it, semaphore& full) {
-    expect_bytes(full, 2 * tma::bytes<bc_tile>() + consumers * tma::bytes<x_tile>());
+    expect_bytes(full, 2 * bc_parts * tma::bytes<bc_tile>() + x_parts * tma::bytes<x_tile>());
     const int row = t.start + it * L;
-    tma::load_async(in.C, g.C, {.b = t.b, .d = t.group, .row = row}, full);
-    tma::load_async(in.B, g.B, {.b = t.b, .d = t.group, .row = row}, full);
 #pragma unroll
-    for (int c = 0; c < consumers; c++)
+    for (int h = 0; h < bc_parts; h++) {
+      tma::load_async(in.C[h], g.C, {.b = t.b, .d = t.group, .row = row, .col = h * NC}, full);
+      tma::load_async(in.B[h], g.B, {.b = t.b, .d = t.group, .row = row, .col = h * NC}, full);
+    }
+#pragma unroll
+    for (int c = 0; c < x_parts; c++)
       tma::load_async(in.x[c], g.x, {.b = t.b, .d = t.head[c], .row = row, .col = t.col[c]}, full);
   }
+  // Consumer c's tiles: its half of C and B (split), and its block of x.
+  __device__ static const bc_tile& C_of(const input_block& in, int c) { return in.C[split ? c : 0]; }
+  __device__ static const bc_tile& B_of(const input_block& in, int c) { return in.B[split ? c : 0]; }
+  __device__ static x_tile& x_of(input_block& in, int c) { return in.x[split ? 0 : c]; }
 
   // ---- dt and the decay ----------------------------------------------------------------------------
   __device__ static void fetch_dt(consumer_state& s, const globals& g, const task_t& t, int it, int c) {
@@ -177,7 +197,8 @@ struct ssd_scan_kernel {
 
   // ---- a task's state ----------------------------------------------------------------------------------
   __device__ static void initial_state(consumer_state& s, const globals& g, const task_t& t, int c) {
-    if (g.has_init) warpgroup::load(s.S, g.init, {.b = t.seq, .d = t.head_of(c), .row = t.col_of(c)});
+    if (g.has_init)
+      warpgroup::load(s.S, g.init, {.b = t.seq, .d = t.head_of(c), .row = t.col_of(c), .col = split ? c * NC : 0});
     else zero(s.S);
   }
 
@@ -203,8 +224,8 @@ struct ssd_scan_kernel {
 
     rt_fl<16, L> att;
     rt_fl<16, P> y;
-    warpgroup::mm_ABt(att, in.C, in.B);
-    warpgroup::mm_ABt(y, in.C, sc.S[c]);
+    warpgroup::mm_ABt(att, C_of(in, c), B_of(in, c));
+    warpgroup::mm_ABt(y, C_of(in, c), sc.S[c]);
     // While those run (they read neither dt nor the decay): the chunk's decay factors, and S's decay.
     const float dA_last = chunk_decay(s, g, t, it, c, dA, gj, wj);
     mul(s.S, s.S, fast_exp2(dA_last));
@@ -212,10 +233,20 @@ struct ssd_scan_kernel {
     // chunk's C S^T waits for it), and it needs only x, B and the decay. Its A operand x^T, token j weighted
     // by 2^(dA_last - dA_j) dt_j; the products in registers do not read the shared copy of S it replaces.
     rt<T, 16, L> xt;
-    warpgroup::load_t(xt, in.x[c].ref());
+    warpgroup::load_t(xt, x_of(in, c).ref());
     map_at(xt, xt, 0, 0, [=](float v, int, int j) { return v * wj[j]; });
-    warpgroup::mma_AB(s.S, xt, in.B);
+    warpgroup::mma_AB(s.S, xt, B_of(in, c));
     warpgroup::mma_async_wait<1>();  // att and C S^T are done; the state update may still run
+    if constexpr (split) {
+      exchange(att, y, sc, c);
+      if (c == 1) {  // its half of C B^T and C S^T handed over: only its state update is left
+        warpgroup::mma_async_wait<0>();
+        warpgroup::store(sc.S[c].ref(), s.S);
+        fence_async_shared();
+        warpgroup::sync(1 + c);
+        return;
+      }
+    }
 
     const int row0 = 16 * w;
     map_at(att, att, row0, 0,
@@ -223,13 +254,33 @@ struct ssd_scan_kernel {
     map_at(y, y, row0, 0, [=](float v, int i, int) { return v * fast_exp2(dA[i]); });
     rt<T, 16, L> p;
     copy(p, att);
-    warpgroup::mma_AB(y, p, in.x[c]);
+    warpgroup::mma_AB(y, p, x_of(in, c));
     warpgroup::mma_async_wait<1>();  // the state update is done (groups retire in order)
 
     warpgroup::store(sc.S[c].ref(), s.S);  // this chunk's C S^T has finished reading the old one
     warpgroup::mma_async_wait<0>();
     epilogue(y, in, sc, g, t, it, c);  // its proxy fence covers the S store too (one fence a chunk, not two)
     warpgroup::sync(1 + c);  // the new S is complete before the next chunk's products read it
+  }
+
+  // split: consumer 1 leaves its partial att and C S^T, consumer 0 adds them to its own. Two named barriers of
+  // both consumers (ids 3, 4; 1 and 2 are the consumers' own), each met once a chunk by both: at XC consumer 0
+  // has read the previous chunk's partials (so consumer 1 may overwrite them), at XR this chunk's are written.
+  static constexpr int XC = 3, XR = 4, BOTH = 2 * WARPGROUP_THREADS;
+  __device__ static void exchange(rt_fl<16, L>& att, rt_fl<16, P>& y, scratch_block& sc, int c) {
+    const int me = warpgroup::thread();
+    warpgroup::sync_with(XC, BOTH);
+    if (c == 1) {
+      int r = 0;
+      for_each_element<rt_fl<16, L>>([&](int i, int j, int k, int e) { sc.exchange.v[r++][me] = elem(att.data[i][j][k], e); });
+      for_each_element<rt_fl<16, P>>([&](int i, int j, int k, int e) { sc.exchange.v[r++][me] = elem(y.data[i][j][k], e); });
+    }
+    warpgroup::sync_with(XR, BOTH);
+    if (c == 0) {
+      int r = 0;
+      for_each_element<rt_fl<16, L>>([&](int i, int j, int k, int e) { elem(att.data[i][j][k], e) += sc.exchange.v[r++][me]; });
+      for_each_element<rt_fl<16, P>>([&](int i, int j, int k, int e) { elem(y.data[i][j][k], e) += sc.exchange.v[r++][me]; });
+    }
   }
 
   // Ends with a proxy fence on every path: the caller's shared-memory writes before it (the new S) are then
@@ -239,7 +290,7 @@ struct ssd_scan_kernel {
     const int w = warpgroup::warp(), head = t.head_of(c), row = t.start + it * L;
     if (g.D) {  // + D x: this warp's rows of x by ldmatrix, D from the task's copy in shared memory
       rt<T, 16, P> xr;
-      warpgroup::load(xr, in.x[c].ref());
+      warpgroup::load(xr, x_of(in, c).ref());
       const float* Dc = sc.D[c];
       map_at(y, y, xr, 0, 0, [=](float v, float xv, int, int j) { return v + Dc[j] * xv; });
     }
@@ -256,7 +307,7 @@ struct ssd_scan_kernel {
       return;
     }
     if (t.len - it * L >= L) {  // a whole chunk: each warp sends its 16 rows through one TMA store
-      const auto piece = sc.y[c][w].ref();
+      const auto piece = sc.y[split ? 0 : c][w].ref();
       if (laneid() == 0) tma::store_wait_read<0>();
       __syncwarp();
       warp::store(piece, y);
@@ -276,7 +327,8 @@ struct ssd_scan_kernel {
     if (laneid() == 0) tma::store_wait_read<0>();  // this warp's output pieces are free again
     if (!t.valid_of(c) || !g.has_final) return;
     if (t.iters == 0) initial_state(s, g, t, c);  // an empty sequence keeps its initial state
-    warpgroup::store(g.final_states, s.S, {.b = t.seq, .d = t.head_of(c), .row = t.col_of(c)});
+    warpgroup::store(g.final_states, s.S,
+                     {.b = t.seq, .d = t.head_of(c), .row = t.col_of(c), .col = split ? c * NC : 0});
   }
 };
 
@@ -305,6 +357,7 @@ __global__ void __launch_bounds__(ORDER_THREADS) order_sequences(const int* cu_s
 template <typename T, int N, bool Dynamic>
 void run_scan(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
   using K = ssd_scan_kernel<T, N, Dynamic>;
+  static_assert(lcsf::shared_bytes<K> <= 227 * 1024 - 1024, "the scan's tiles pass a Hopper CTA's shared memory");
   auto ptr = [](const void* x) { return static_cast<T*>(const_cast<void*>(x)); };
   typename K::globals g{};
   const long b = p.batch, h = p.heads, l = p.seqlen, hd = p.headdim, gr = p.groups;
@@ -342,7 +395,7 @@ void run_scan(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
   g.heads_per_group = p.heads / p.groups;
   g.pblocks = p.headdim / K::P;
   g.units = g.heads_per_group * g.pblocks;
-  g.pairs = ceil_div(g.units, K::consumers);
+  g.pairs = K::split ? g.units : ceil_div(g.units, K::consumers);  // split: a task is one unit
   g.has_z = p.z != nullptr;
   g.has_init = p.initial_states != nullptr;
   g.has_final = p.final_states != nullptr;
@@ -357,7 +410,8 @@ template <typename T>
 void scan_dtype(const tk::ssd_scan_problem& p, int num_sms, cudaStream_t stream) {
   const bool ragged = tk::ssd_scan_ragged(p.cu_seqlens != nullptr, p.num_seqs);
   if (p.dstate == 64) ragged ? run_scan<T, 64, true>(p, num_sms, stream) : run_scan<T, 64, false>(p, num_sms, stream);
-  else ragged ? run_scan<T, 128, true>(p, num_sms, stream) : run_scan<T, 128, false>(p, num_sms, stream);
+  else if (p.dstate == 128) ragged ? run_scan<T, 128, true>(p, num_sms, stream) : run_scan<T, 128, false>(p, num_sms, stream);
+  else ragged ? run_scan<T, 256, true>(p, num_sms, stream) : run_scan<T, 256, false>(p, num_sms, stream);
 }
 
 // ---- decode: one token per batch row ----------------------------------------------------------------

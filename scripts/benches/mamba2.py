@@ -1,7 +1,8 @@
 """Mamba-2 SSD family: tk's chunked scan vs mamba_ssm's Triton mamba_chunk_scan_combined and vLLM's Triton varlen
 scan, same inputs, CUDA-graph replay. Paper cases (ThunderKittens: B=H=16, headdim 64, dstate 64, chunk 64) and
 serving cases (8 packed sequences of random lengths summing to 8192 tokens, 80 heads, dstate 128, chunk 256; and
-one 8192-token sequence alone), and the decode state update (kernel mamba2_update) against vLLM's Triton one.
+one 8192-token sequence alone; Falcon-H1-1.5B's 48 heads at dstate 256), and the decode state update (kernel
+mamba2_update) against vLLM's Triton one.
 
 Peers are imported lazily: mamba_ssm from the pure-Python wheel in .whl_ssm (its package __init__ imports the
 compiled selective_scan_cuda, which this module stubs in a temp dir), and vLLM's mamba_chunk_scan_combined_varlen,
@@ -28,8 +29,9 @@ from benchlib import Row, copies_to_defeat_l2, selected, time_per_call
 
 PAPER = [(16, n, 16, 64, 64, 1, 64) for n in (1024, 4096, 16384)]  # batch, seqlen, heads, headdim, dstate, groups, chunk
 # heads, headdim, dstate, groups, chunk, sequences: 8 packed prompts, and one 8k prompt alone (a chunked-prefill step of a
-# long prompt: the scan's chain over its chunks is the whole time, where vLLM's Triton scan works on the chunks at once)
-SERVING = [(80, 64, 128, 1, 256, 8), (80, 64, 128, 8, 256, 8), (80, 64, 128, 1, 256, 1)]
+# long prompt: the scan's chain over its chunks is the whole time, where vLLM's Triton scan works on the chunks at once);
+# Falcon-H1-1.5B's mixer (dstate 256) last
+SERVING = [(80, 64, 128, 1, 256, 8), (80, 64, 128, 8, 256, 8), (80, 64, 128, 1, 256, 1), (48, 64, 256, 1, 256, 8)]
 SERVING_TOKENS = 8192
 # Decode state updates (kernel mamba2_update), as the served models call them: Mamba2-2.7B's layer (80 heads,
 # 1 group) at batch 1-256, NemotronH-8B's (128 heads, 8 groups), Falcon-H1-1.5B's (48 heads, dstate 256) at batch

@@ -223,17 +223,14 @@ def test_layer_shapes_tk_does_not_serve():
 
 @pytest.mark.parametrize("state_size, head_dim, device_reason, expected", [
     (128, 64, None, True),               # a whole TK layer
-    (256, 64, None, True),               # Falcon-H1's: a TK layer for the update alone
-    (256, 128, None, False),             # no bulk update kernel there: all on vLLM's
+    (256, 64, None, True),               # Falcon-H1's: a whole TK layer too (the update on TK's where faster)
+    (256, 128, None, True),              # the scan on TK's, every update on vLLM's (no bulk kernel there)
     (16, 64, None, False),
     (128, 64, "no CUDA device", False),  # the device decides first
     (256, 64, "no CUDA device", False),
 ])
 def test_which_mixer_layers_go_on_tk(monkeypatch, log_lines, state_size, head_dim, device_reason, expected):
     import vllm.config
-
-    if state_size in tkm.STATE_DIMS and state_size in tkm.UPDATE_ONLY_STATE_DIMS:
-        pytest.skip("TK's scan takes this state size: such layers are whole TK layers")
 
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: None)
     monkeypatch.setattr(tkm, "attention_backend_is_tk", lambda config: True)
@@ -242,20 +239,8 @@ def test_which_mixer_layers_go_on_tk(monkeypatch, log_lines, state_size, head_di
     layer = SimpleNamespace(head_dim=head_dim, ssm_state_size=state_size, num_heads=48, n_groups=1, tp_size=1,
                             model_config=SimpleNamespace(dtype=torch.bfloat16))
     assert tkm._decide_for_layer(layer) is expected
-    if state_size == 256 and expected:
-        assert any("prefill scan on vLLM's Triton kernels" in line for line in log_lines)
-
-
-def test_state_256_layers_take_only_tks_update():
-    if 256 in tkm.STATE_DIMS:
-        pytest.skip("TK's scan takes state 256: such layers are whole TK layers")
-    falcon = dict(head_dim=64, state_size=256, dtype=torch.bfloat16, heads_per_rank=48, groups_per_rank=1)
-    assert "ssm_state_size 256" in tkm.layer_unsupported_reason(**falcon)  # the scan stays on vLLM's
-    assert tkm.update_only_layer(**falcon)
-    assert not tkm.update_only_layer(**{**falcon, "head_dim": 128})  # no bulk kernel at 64 KB a block
-    assert not tkm.update_only_layer(**{**falcon, "dtype": torch.float32})
-    assert not tkm.update_only_layer(**{**falcon, "heads_per_rank": 12, "groups_per_rank": 8})
-    assert not tkm.update_only_layer(**{**falcon, "state_size": 128})  # a full TK layer, not update-only
+    if not expected:
+        assert any("stay on vLLM's Triton SSD kernels" in line for line in log_lines)
 
 
 # ----------------------------------------------------------------------------------- the mapping

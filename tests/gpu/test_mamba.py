@@ -28,7 +28,7 @@ def _cu(lengths):
 
 
 @pytest.mark.parametrize("p", [64, 128])
-@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("n", [64, 128, 256])
 @pytest.mark.parametrize("g", [1, 2, 4])
 @pytest.mark.parametrize("chunk", [64, 256])
 def test_dense(p, n, g, chunk, seed):
@@ -50,7 +50,7 @@ def test_dense(p, n, g, chunk, seed):
     assert_close(final, ref_final, rel=1e-2, atol=5e-2, what=f"{what} final")
 
 
-@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("n", [64, 128, 256])
 @pytest.mark.parametrize("g", [1, 8])
 def test_varlen_initial_and_final_states(n, g, seed):
     rng = random.Random(seed)

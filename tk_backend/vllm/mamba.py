@@ -32,7 +32,7 @@ What TK takes, and what falls back:
   and TK's result does not depend on it, so it is not needed. The per-sequence final states are returned
   (0.26: the mixer writes them to the cache) or written to `final_states_out[final_state_indices]` (0.33).
   Falls back: `return_intermediate_states` (prefix caching's per-block states: 0.26 mamba_cache_mode
-  "all", 0.33 prefill checkpoints), headdim or dstate outside {64, 128}, float32 activations, and
+  "all", 0.33 prefill checkpoints), headdim outside {64, 128} or dstate outside {64, 128, 256}, float32 activations, and
   anything TK's argument checks reject (they run before any launch).
 * Decode: one token per request, state slots `state_batch_indices` ([batch] or vLLM's [batch, 1]),
   padded rows marked with vLLM's null block id. Falls back: speculative decoding (several tokens per
@@ -131,19 +131,6 @@ def layer_unsupported_reason(head_dim: int, state_size: int, dtype: torch.dtype 
     return None
 
 
-# State sizes TK's scan does not take but its decode update does, faster than vLLM's at the measured shapes
-# (tk_update_faster): such a layer is a TK layer whose prefill scans fall back to vLLM's Triton kernels.
-UPDATE_ONLY_STATE_DIMS = (256,)
-
-
-def update_only_layer(head_dim: int, state_size: int, dtype: torch.dtype | None, heads_per_rank: int,
-                      groups_per_rank: int) -> bool:
-    """Whether a MambaMixer2 that layer_unsupported_reason refuses for its state size alone still takes TK's
-    decode update (Falcon-H1's 48 heads of 64 with state 256)."""
-    return (state_size in UPDATE_ONLY_STATE_DIMS and head_dim == 64
-            and layer_unsupported_reason(head_dim, STATE_DIMS[0], dtype, heads_per_rank, groups_per_rank) is None)
-
-
 def device_unsupported_reason() -> str | None:
     from tk_backend._library import extension_available
 
@@ -167,15 +154,10 @@ def _decide_for_layer(layer) -> bool:
              layer.num_heads // layer.tp_size, layer.n_groups // layer.tp_size)
     device_reason = device_unsupported_reason()
     reason = device_reason or layer_unsupported_reason(*shape)
-    if reason is not None and (device_reason is not None or not update_only_layer(*shape)):
+    if reason is not None:
         _log_once(f"layer:{reason}", logging.WARNING,
                   "tk_backend: MambaMixer2 layers with %s stay on vLLM's Triton SSD kernels", reason)
         return False
-    if reason is not None:
-        _log_once(f"layer:{reason}", logging.WARNING,
-                  "tk_backend: MambaMixer2 layers with %s run their prefill scan on vLLM's Triton kernels and their "
-                  "decode state update on TK's where it is faster", reason)
-        return True
     if update_wanted(os.environ.get(ENV_VAR)):
         _log_once("on", logging.INFO, "tk_backend: MambaMixer2 SSD scan and state update run on TK's kernels (%s=%s)",
                   ENV_VAR, os.environ[ENV_VAR])
