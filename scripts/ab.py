@@ -135,7 +135,8 @@ def peer_ratio(runs: list[dict], key: tuple[str, str], base_runs: list[dict] | N
 
 def compare(base_runs: list[dict], variants: dict[str, list[dict]]) -> list[str]:
     """base_runs: every base run (before, between rounds, after); variants: each variant's runs (one a round).
-    Ratios are medians over the runs; drift is the base's slowest run over its fastest."""
+    Ratios are medians over the runs; drift is the base's slowest run over its fastest. Cases no base run has come
+    last, with the variants' own times."""
     lines = [f"{'case':<46}{'base tk ms':>11}{'drift':>7}  " + "  ".join(f"{n + ' / base':>16}" for n in variants)
              + f"{'tk/peer base':>14}  " + "  ".join(f"{'tk/peer ' + n:>16}" for n in variants)]
     keys = list(dict.fromkeys(k for run in base_runs for k in run))
@@ -152,6 +153,13 @@ def compare(base_runs: list[dict], variants: dict[str, list[dict]]) -> list[str]
         lines.append(f"{key[0] + ':' + key[1]:<46}{base_tk:>11.4f}{drift:>7.3f}  " + "  ".join(f"{r:>16}" for r in ratio)
                      + f"{peer_ratio(base_runs, key):>14}  "
                      + "  ".join(f"{peer_ratio(variants[n], key, base_runs):>16}" for n in variants))
+    # Cases only a variant runs (a shape the base refuses): its median tk ms in place of the ratio, and its tk / peer
+    # from its own runs' peers (none when it timed tk alone).
+    for key in dict.fromkeys(k for runs in variants.values() for run in runs for k in run if k not in keys):
+        ms = [median_of(variants[n], key) for n in variants]
+        lines.append(f"{key[0] + ':' + key[1]:<46}{'-':>11}{'-':>7}  "
+                     + "  ".join(f"{f'{v:.4f} ms' if v is not None else '-':>16}" for v in ms)
+                     + f"{'-':>14}  " + "  ".join(f"{peer_ratio(variants[n], key):>16}" for n in variants))
     return lines
 
 

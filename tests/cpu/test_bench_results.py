@@ -46,6 +46,19 @@ def test_ab_report_gives_variant_over_base_and_the_base_drift():
     assert c2.split()[1:4] == ["2.0000", "1.000", "-"]  # a case the variant did not run
 
 
+def test_ab_report_lists_cases_only_a_variant_runs():
+    import ab
+
+    base = [{("k", "c1"): {"tk": 1.0, "fa3": 0.8}}, {("k", "c1"): {"tk": 1.0, "fa3": 0.8}}]
+    variants = {"n256": [{("k", "c1"): {"tk": 1.0}, ("k", "new"): {"tk": 0.17, "triton": 0.34}},
+                         {("k", "c1"): {"tk": 1.0}, ("k", "new"): {"tk": 0.19, "triton": 0.36}}],
+                "other": [{("k", "c1"): {"tk": 0.9}}]}
+    _, c1, new = ab.compare(base, variants)
+    assert c1.split()[0] == "k:c1"
+    # no base time, no drift; n256's median tk ms, none for other; no base peer; n256's own peer / tk (2.0, 1.895)
+    assert new.split() == ["k:new", "-", "-", "0.1800", "ms", "-", "-", "1.947", "-"]
+
+
 def test_ab_report_takes_medians_over_rounds():
     import ab
 
