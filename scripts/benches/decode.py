@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import tk_backend
 from tk_backend import attention, decode_plan
-from benchlib import Row, impls_subset, selected, time_per_call
+from benchlib import Row, impls_subset, selected, time_impls, time_per_call
 from benches import read_ceiling
 
 D = 128
@@ -266,14 +266,11 @@ def _case(b, ctx, hq, hkv, page, table_ctx=None, serve=False, shuffle=False, lay
             v = v_cache[table.long()].view(b, ctx, hkv, d).transpose(1, 2)
             return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
         impls["sdpa_gather"] = gathered
-    rows = []
-    for impl, call in selected(impls).items():
-        try:
-            ms = time_per_call(call, 1)
-        except Exception as exc:  # noqa: BLE001
-            print(f"  {case}: {impl} skipped ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
-            continue
-        rows.append(Row("attn_decode", case, impl, ms, tbps=bytes_moved / ms / 1e9))
+    def skipped(impl, exc):
+        print(f"  {case}: {impl} skipped ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+
+    rows = [Row("attn_decode", case, impl, t.median_ms, tbps=bytes_moved / t.median_ms / 1e9, extra=t.extra())
+            for impl, t in time_impls(selected(impls), 1, on_error=skipped).items()]
     tk_row = next((r for r in rows if r.impl == "tk"), None)
     if (tk_row is not None and layers == 1 and not serve and b >= 8 and ctx >= 8192 and window < 0
             and not impls_subset()):

@@ -536,3 +536,31 @@ def test_decode_multi_layer_steps_read_a_cache_a_layer_where_one_would_stay_in_l
     assert decode._per_layer(big) == [big] and decode._per_layer(layers) is layers
     fp8 = decode._layer_caches(small.to(torch.float8_e4m3fn), 2)
     assert [c.dtype for c in fp8] == [torch.float8_e4m3fn] * 2
+
+
+def test_short_calls_get_interleaved_rounds_and_long_ones_one():
+    from benchlib import time_impls
+
+    order = []
+    speed = {"tk": [0.010, 0.012, 0.011, 0.030, 0.009], "peer": [0.015, 0.014, 0.016, 0.013, 0.020]}
+
+    def timer(call, sets):
+        order.append(call)
+        return speed[call].pop(0)
+
+    def broken(call, sets):
+        raise RuntimeError("cannot run")
+
+    errors = []
+    timed = time_impls({"tk": "tk", "peer": "peer"}, 1, timer=timer)
+    # one round each, then four more, each round starting one impl later
+    assert order == ["tk", "peer", "peer", "tk", "tk", "peer", "peer", "tk", "tk", "peer"]
+    assert timed["tk"].median_ms == 0.011 and timed["tk"].min_ms == 0.009 and timed["tk"].max_ms == 0.030
+    assert timed["tk"].extra() == {"rounds": 5, "min_ms": 0.009, "max_ms": 0.030}
+    assert timed["peer"].median_ms == 0.015
+    order.clear()
+    speed = {"tk": [0.5], "peer": [0.6]}
+    timed = time_impls({"tk": "tk", "peer": "peer"}, 1, timer=timer)
+    assert order == ["tk", "peer"] and timed["tk"].rounds == 1 and timed["tk"].extra() == {}
+    timed = time_impls({"tk": "tk"}, 1, timer=broken, on_error=lambda impl, exc: errors.append((impl, str(exc))))
+    assert timed == {} and errors == [("tk", "cannot run")]
