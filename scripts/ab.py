@@ -139,7 +139,7 @@ def compare(base_runs: list[dict], variants: dict[str, list[dict]]) -> list[str]
     last, with the variants' own times."""
     lines = [f"{'case':<46}{'base tk ms':>11}{'drift':>7}  " + "  ".join(f"{n + ' / base':>16}" for n in variants)
              + f"{'tk/peer base':>14}  " + "  ".join(f"{'tk/peer ' + n:>16}" for n in variants)]
-    keys = list(dict.fromkeys(k for run in base_runs for k in run))
+    keys = list(dict.fromkeys(k for run in base_runs for k in run if "tk" in run[k]))  # cases the base's tk ran
     for key in keys:
         tks = [run[key]["tk"] for run in base_runs if key in run and "tk" in run[key]]
         if not tks:
@@ -153,13 +153,16 @@ def compare(base_runs: list[dict], variants: dict[str, list[dict]]) -> list[str]
         lines.append(f"{key[0] + ':' + key[1]:<46}{base_tk:>11.4f}{drift:>7.3f}  " + "  ".join(f"{r:>16}" for r in ratio)
                      + f"{peer_ratio(base_runs, key):>14}  "
                      + "  ".join(f"{peer_ratio(variants[n], key, base_runs):>16}" for n in variants))
-    # Cases only a variant runs (a shape the base refuses): its median tk ms in place of the ratio, and its tk / peer
-    # from its own runs' peers (none when it timed tk alone).
+    # Cases only a variant's tk runs (a shape the base refuses; the base's peers may have run it): its median tk ms
+    # in place of the ratio, and its tk / peer from its own runs' peers, or the base runs' when it timed tk alone.
     for key in dict.fromkeys(k for runs in variants.values() for run in runs for k in run if k not in keys):
         ms = [median_of(variants[n], key) for n in variants]
+        if all(v is None for v in ms):
+            continue
         lines.append(f"{key[0] + ':' + key[1]:<46}{'-':>11}{'-':>7}  "
                      + "  ".join(f"{f'{v:.4f} ms' if v is not None else '-':>16}" for v in ms)
-                     + f"{'-':>14}  " + "  ".join(f"{peer_ratio(variants[n], key):>16}" for n in variants))
+                     + f"{peer_ratio(base_runs, key):>14}  "
+                     + "  ".join(f"{peer_ratio(variants[n], key, base_runs):>16}" for n in variants))
     return lines
 
 

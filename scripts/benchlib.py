@@ -103,7 +103,8 @@ def time_impls(impls: dict[str, Callable[[int], object]], sets: int, timer: Call
                on_error: Callable[[str, Exception], None] | None = None) -> dict[str, Timed]:
     """Each impl timed once (timer: time_per_call); when any of them is a short call (< short_ms), every impl
     again for rounds - 1 more rounds, interleaved, each round starting one impl later, so that a drift of the
-    clock falls on all of them alike. An impl that raises is left out (on_error(impl, exc) told why)."""
+    clock falls on all of them alike. An impl that raises, in any round, is left out (on_error(impl, exc) told
+    why)."""
     timer = timer or time_per_call
     times: dict[str, list[float]] = {}
     for impl, call in impls.items():
@@ -116,7 +117,14 @@ def time_impls(impls: dict[str, Callable[[int], object]], sets: int, timer: Call
         names = list(times)
         for r in range(1, rounds):
             for impl in names[r % len(names):] + names[:r % len(names)]:
-                times[impl].append(timer(impls[impl], sets))
+                if impl not in times:
+                    continue
+                try:
+                    times[impl].append(timer(impls[impl], sets))
+                except Exception as exc:  # noqa: BLE001 - a later round's failure costs that impl alone
+                    times.pop(impl)
+                    if on_error:
+                        on_error(impl, exc)
     return {impl: Timed(statistics.median(t), min(t), max(t), len(t)) for impl, t in times.items()}
 
 

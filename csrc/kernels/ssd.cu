@@ -9,7 +9,8 @@
 //   S     = 2^dA_last S + (x^T scaled by 2^(dA_last - dA_j) dt_j) B
 //   y     = (y + D x) * silu(z)                stored by TMA (whole chunks) or row by row (a ragged tail)
 // The producer streams C, B (shared by both consumers: same group) and the two x blocks through a TMA ring;
-// dt is read by the consumers one chunk ahead. The result does not depend on the chunk length (it is exact
+// dt is read by the consumers one chunk ahead. At dstate 256 (`split`, below) a task is one head-dim block instead:
+// both consumers work on it, each holding half of S's columns, and one x block is streamed. The result does not depend on the chunk length (it is exact
 // arithmetic regrouped), so every chunk_size runs as 64-token chunks; chunks never straddle sequences.
 #include <cub/block/block_radix_sort.cuh>
 #include "../kittens/kittens.cuh"
@@ -75,7 +76,7 @@ struct ssd_scan_kernel {
   // split: consumer 1's partial C B^T and C S^T, each thread's fragment registers at [register][thread] (both
   // consumers' fragments have the same layout, so consumer 0's thread t adds what consumer 1's thread t left).
   struct exchange_buffer {
-    float v[2 * 16 * L / WARP_THREADS][WARPGROUP_THREADS];
+    float v[(16 * L + 16 * P) / WARP_THREADS][WARPGROUP_THREADS];  // att's registers, then y's
   };
   struct no_exchange {};
   struct scratch_block {

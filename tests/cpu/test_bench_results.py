@@ -57,6 +57,11 @@ def test_ab_report_lists_cases_only_a_variant_runs():
     assert c1.split()[0] == "k:c1"
     # no base time, no drift; n256's median tk ms, none for other; no base peer; n256's own peer / tk (2.0, 1.895)
     assert new.split() == ["k:new", "-", "-", "0.1800", "ms", "-", "-", "1.947", "-"]
+    # the base's peers ran the case but its tk refused it; the variant timed tk alone: rated on the base's peers
+    base = [{("k", "c1"): {"tk": 1.0}, ("k", "new"): {"triton": 0.36}},
+            {("k", "c1"): {"tk": 1.0}, ("k", "new"): {"triton": 0.34}}]
+    _, _, new = ab.compare(base, {"n256": [{("k", "c1"): {"tk": 1.0}, ("k", "new"): {"tk": 0.175}}]})
+    assert new.split() == ["k:new", "-", "-", "0.1750", "ms", "-", "2.000"]
 
 
 def test_ab_report_takes_medians_over_rounds():
@@ -564,3 +569,15 @@ def test_short_calls_get_interleaved_rounds_and_long_ones_one():
     assert order == ["tk", "peer"] and timed["tk"].rounds == 1 and timed["tk"].extra() == {}
     timed = time_impls({"tk": "tk"}, 1, timer=broken, on_error=lambda impl, exc: errors.append((impl, str(exc))))
     assert timed == {} and errors == [("tk", "cannot run")]
+    # a later round's failure leaves that impl out, the others timed
+    speed = {"tk": [0.010, 0.011, 0.012, 0.013, 0.014], "peer": [0.015]}
+
+    def peer_fails_later(call, sets):
+        if call == "peer" and not speed["peer"]:
+            raise RuntimeError("out of memory")
+        return speed[call].pop(0)
+
+    errors.clear()
+    timed = time_impls({"tk": "tk", "peer": "peer"}, 1, timer=peer_fails_later,
+                       on_error=lambda impl, exc: errors.append((impl, str(exc))))
+    assert list(timed) == ["tk"] and timed["tk"].rounds == 5 and errors == [("peer", "out of memory")]

@@ -224,7 +224,7 @@ def test_layer_shapes_tk_does_not_serve():
 @pytest.mark.parametrize("state_size, head_dim, device_reason, expected", [
     (128, 64, None, True),               # a whole TK layer
     (256, 64, None, True),               # Falcon-H1's: a whole TK layer too (the update on TK's where faster)
-    (256, 128, None, True),              # the scan on TK's, every update on vLLM's (no bulk kernel there)
+    (256, 128, None, True),              # the scan on TK's; without TK_MAMBA=1 every update on vLLM's (no bulk kernel)
     (16, 64, None, False),
     (128, 64, "no CUDA device", False),  # the device decides first
     (256, 64, "no CUDA device", False),

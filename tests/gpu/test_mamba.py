@@ -73,13 +73,15 @@ def test_varlen_initial_and_final_states(n, g, seed):
     assert_close(finals, ref_finals, rel=1e-2, atol=5e-2, what=f"{what} finals")
 
 
-@pytest.mark.parametrize("num_seqs", [300, 2100])  # the scan orders up to 2048 sequences longest first
-def test_varlen_many_skewed_sequences(num_seqs, seed):
+# the scan orders up to 2048 sequences longest first; n = 256: the split kernel, many tasks a CTA (its exchange
+# barriers across task boundaries)
+@pytest.mark.parametrize("num_seqs, n", [(300, 64), (2100, 64), (300, 256)])
+def test_varlen_many_skewed_sequences(num_seqs, n, seed):
     """One long sequence among many short ones, in the middle of the batch: the dynamically claimed tasks
     (longest first when the batch is sortable, as given past 2048 sequences) must each still see their own
     sequence, initial state and final state."""
     rng = random.Random(seed)
-    h, p, g, n = 8, 64, 1, 64
+    h, p, g = 8, 64, 1
     lengths = [rng.choice([0, 1, 2, 3, 65]) for _ in range(num_seqs)]
     lengths[num_seqs // 2] = 640
     inp = _inputs(1, sum(lengths), h, p, g, n)
@@ -90,7 +92,7 @@ def test_varlen_many_skewed_sequences(num_seqs, seed):
                                                      dt_softplus=True, return_varlen_states=True, out=out)
     torch.cuda.synchronize()
     ref_y, ref_finals = reference.mamba_chunk_scan(**inp, initial_states=state0, dt_softplus=True, cu_seqlens=cu)
-    what = f"varlen num_seqs={num_seqs} seed={seed}"
+    what = f"varlen num_seqs={num_seqs} n={n} seed={seed}"
     assert_close(out, ref_y, rel=2e-2, atol=5e-2, what=f"{what} y")
     assert_close(finals, ref_finals, rel=1e-2, atol=5e-2, what=f"{what} finals")
 

@@ -20,10 +20,11 @@ using namespace kittens;
 template <typename T, policy P, schedule_source Source>
 struct local_kernel : attn_decode_split<T, P, Source> {};
 
-// The L2 fill of a cache row's TMA read. A head's row of fewer than 256 bytes (D=64 in 16 bits, D <= 128 in fp8)
+// The L2 fill of a cache row's TMA read. A head's row of at most 128 bytes (D=64 in 16 bits, D <= 128 in fp8)
 // beside other heads' rows (vLLM's [blocks, block_size, heads, D]) would bring a neighbouring head's row along,
 // which, when a CTA runs a sequence's heads one after another (B >= 64: several items a CTA), is read much later,
-// long evicted: the fill stops at the row's 128 bytes then.
+// long evicted: the fill stops at the row's 128 bytes then, at every batch (measured neutral at b1 / b8, where
+// the neighbour's CTA runs beside it; docs/findings/decode.md#decode-l2-rows).
 template <typename Cache>
 CUtensorMapL2promotion row_promotion(long head_dim, long token_stride) {
   const long row_bytes = head_dim * long(sizeof(Cache));
