@@ -107,24 +107,23 @@ def time_impls(impls: dict[str, Callable[[int], object]], sets: int, timer: Call
     why)."""
     timer = timer or time_per_call
     times: dict[str, list[float]] = {}
-    for impl, call in impls.items():
+
+    def attempt(impl: str) -> None:  # one more round of impl; a failure in any round leaves it out
         try:
-            times[impl] = [timer(call, sets)]
+            times.setdefault(impl, []).append(timer(impls[impl], sets))
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run the case
+            times.pop(impl, None)
             if on_error:
                 on_error(impl, exc)
+
+    for impl in impls:
+        attempt(impl)
     if times and min(t[0] for t in times.values()) < short_ms:
         names = list(times)
         for r in range(1, rounds):
             for impl in names[r % len(names):] + names[:r % len(names)]:
-                if impl not in times:
-                    continue
-                try:
-                    times[impl].append(timer(impls[impl], sets))
-                except Exception as exc:  # noqa: BLE001 - a later round's failure costs that impl alone
-                    times.pop(impl)
-                    if on_error:
-                        on_error(impl, exc)
+                if impl in times:
+                    attempt(impl)
     return {impl: Timed(statistics.median(t), min(t), max(t), len(t)) for impl, t in times.items()}
 
 
